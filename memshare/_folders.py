@@ -1,0 +1,349 @@
+"""Where shared files live: private folders, safe file creation, cleanup.
+
+Lifetimes
+---------
+A :class:`TempFolder` belongs to one pool, or to one joblib call (or managed
+``with Parallel()`` context). It is created lazily, on the first file, and
+removed by :meth:`TempFolder.remove`, by a finalizer when the object is
+garbage-collected, at interpreter exit, and, if the owner dies without any of
+those, by the owner's watchdog process (see ``_watchdog``). Folders of owners
+that died anyway (the watchdog was killed too, or the machine lost power
+mid-cleanup) are swept the first time a later process creates a folder.
+
+Each folder has a *fallback* twin on disk, used file by file when the shared
+memory location has no room for one array.
+
+Security: folders are 0700 and files 0600 whatever the umask; files are
+created with ``O_EXCL | O_NOFOLLOW`` so a planted file or symlink is never
+followed or truncated; names carry random parts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import stat
+import secrets
+import tempfile
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from ._config import ENV_JOBLIB_TEMP_FOLDER, ENV_TEMP_FOLDER
+from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
+from ._watchdog import WatchdogClient
+
+SHM_ROOT = "/dev/shm"
+_FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class SharedMemoryFullError(OSError):
+    """Neither shared memory nor the disk fallback has room for a file."""
+
+
+class SharedMemoryFallbackWarning(UserWarning):
+    """An array went to the disk temp folder because shared memory was full."""
+
+
+def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
+    """The folder under which memshare folders go, and why it was chosen."""
+    if explicit is not None:
+        return explicit, "the temp_folder argument"
+    for variable in (ENV_TEMP_FOLDER, ENV_JOBLIB_TEMP_FOLDER):
+        value = os.environ.get(variable)
+        if value:
+            return os.path.abspath(value), f"the {variable} environment variable"
+    if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK | os.X_OK):
+        return SHM_ROOT, f"{SHM_ROOT} exists and is writable (RAM-backed)"
+    return tempfile.gettempdir(), f"{SHM_ROOT} is not usable; using the system temp dir"
+
+
+def fallback_base(primary_base: str) -> Optional[str]:
+    """The disk location used when ``primary_base`` is full, if it differs."""
+    disk = tempfile.gettempdir()
+    try:
+        if os.stat(disk).st_dev == os.stat(primary_base).st_dev:
+            return None
+    except OSError:
+        return None
+    return disk
+
+
+def free_bytes(path: str) -> Optional[int]:
+    """Bytes available to this user in the file system holding ``path``."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or "/")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _format_bytes(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def ensure_private_dir(path: str) -> None:
+    """Create ``path`` as a 0700 directory of ours, or check that it is one.
+
+    Safe against races with other processes of the same owner (workers may
+    create the folder of their parent's call for results) and refuses
+    anything that is not a directory we own: a symlink planted at the path is
+    never followed.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return ensure_private_dir(path)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EPERM,
+            "refusing to use a temp folder that is not a directory owned by this user",
+            path,
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        # mkdir applies the umask, which can only remove bits; chmod makes the
+        # mode exact. Never loosen a folder that someone else prepared.
+        os.chmod(path, 0o700)
+
+
+@dataclass(frozen=True)
+class FolderPair:
+    """The paths of one folder and of its disk fallback: plain, picklable data.
+
+    Both the owner and its workers (for results) create files through it.
+    """
+
+    primary: str
+    fallback: Optional[str] = None
+
+    def contains(self, path: str) -> bool:
+        parent = os.path.dirname(path)
+        return parent == self.primary or parent == self.fallback
+
+    def create_file(self, nbytes: int, prefix: str) -> Tuple[str, int]:
+        """Create an exclusive 0600 file with ``nbytes`` reserved; return (path, fd).
+
+        The space is reserved up front with ``posix_fallocate``: a tmpfs that
+        fills up then fails here with ENOSPC, instead of killing a process
+        with SIGBUS when a page is first touched. When the primary location
+        has no room, the file goes to the fallback with a warning; when
+        neither has, :class:`SharedMemoryFullError` names the sizes.
+        """
+        attempts = [self.primary] + ([self.fallback] if self.fallback else [])
+        for folder in attempts:
+            created = _create_reserved(folder, nbytes, prefix)
+            if created is not None:
+                if folder != self.primary:
+                    _warn_fallback(self.primary, folder, nbytes)
+                return created
+        free = ", ".join(f"{_format_bytes(free_bytes(f))} free in {os.path.dirname(f)}" for f in attempts)
+        raise SharedMemoryFullError(
+            errno.ENOSPC,
+            f"no room for a {_format_bytes(nbytes)} array ({free}). Give shared memory more "
+            f"room (docker run --shm-size=...), point {ENV_TEMP_FOLDER} at a larger folder, "
+            "or raise max_nbytes / pass max_nbytes=None to pickle arrays instead",
+        )
+
+
+def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
+    """Create and reserve a file in ``folder``; None when it has no room."""
+    ensure_private_dir(folder)
+    path = os.path.join(folder, f"{prefix}-{secrets.token_hex(8)}.bin")
+    fd = os.open(path, _FILE_FLAGS, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        if nbytes > 0:
+            _reserve(fd, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return None
+        raise
+    return path, fd
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
+                raise
+    # No fallocate here: the best we can do is check free space first.
+    free = free_bytes(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists("/proc/self/fd") else ".")
+    if free is not None and free < nbytes:
+        raise OSError(errno.ENOSPC, "no space left")
+    os.ftruncate(fd, nbytes)
+
+
+# Folders already warned about, so that a call warns once and not once per
+# array. Process-wide because workers receive a new FolderPair per task.
+_warned_folders: set = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_fallback(primary: str, used: str, nbytes: int) -> None:
+    with _warned_lock:
+        if primary in _warned_folders:
+            return
+        _warned_folders.add(primary)
+    warnings.warn(
+        f"memshare: shared memory at {os.path.dirname(primary)} has no room for a "
+        f"{_format_bytes(nbytes)} array ({_format_bytes(free_bytes(primary))} free); it was "
+        f"written to {os.path.dirname(used)} on disk instead, which is slower. Give shared "
+        f"memory more room (docker run --shm-size=2g) or set {ENV_TEMP_FOLDER}.",
+        SharedMemoryFallbackWarning,
+        stacklevel=3,
+    )
+
+
+class _ProcessState:
+    """Process-wide cleanup bookkeeping.
+
+    One per process because the things it tracks are per process: the
+    watchdog pipe, the folders to remove at exit, and whether dead owners'
+    folders were swept already. Reset in forked children, which own nothing.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watchdog = WatchdogClient()
+        self.live_paths: set = set()
+        self.swept = False
+
+    def after_fork_in_child(self) -> None:
+        self.watchdog.forget_after_fork()
+        self.lock = threading.Lock()
+        self.live_paths = set()
+
+
+_state = _ProcessState()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_state.after_fork_in_child)
+
+
+def _remove_paths(paths: List[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+        with _state.lock:
+            _state.live_paths.discard(path)
+        _state.watchdog.unregister(path)
+
+
+@atexit.register
+def _remove_all_at_exit() -> None:
+    with _state.lock:
+        paths = list(_state.live_paths)
+    _remove_paths(paths)
+    _state.watchdog.close()
+
+
+class TempFolder:
+    """The owner's handle on one private folder pair.
+
+    Nothing touches the disk until :attr:`pair` is first used to create a
+    file; :meth:`remove` is idempotent and safe to call from any thread.
+    """
+
+    def __init__(self, base: Optional[str] = None) -> None:
+        primary_base, self.reason = default_base(base)
+        name = new_folder_name(Owner.current())
+        fallback = fallback_base(primary_base)
+        self.pair = FolderPair(
+            os.path.join(primary_base, name),
+            os.path.join(fallback, name + "-disk") if fallback else None,
+        )
+        paths = [p for p in (self.pair.primary, self.pair.fallback) if p]
+        with _state.lock:
+            sweep = not _state.swept
+            _state.swept = True
+            _state.live_paths.update(paths)
+        if sweep:
+            sweep_dead_owners({primary_base, fallback or primary_base, SHM_ROOT, tempfile.gettempdir()})
+        # Registered before any file exists: a worker may create the folder
+        # (for a result) before the owner does, and it must still be cleaned.
+        for path in paths:
+            _state.watchdog.register(path)
+        self._finalizer = weakref.finalize(self, _remove_paths, paths)
+
+    @property
+    def paths(self) -> List[str]:
+        return [p for p in (self.pair.primary, self.pair.fallback) if p]
+
+    def exists(self) -> bool:
+        return any(os.path.isdir(p) for p in self.paths)
+
+    def remove(self) -> None:
+        """Delete the folders and everything in them."""
+        self._finalizer()
+
+
+def list_folders(bases) -> List[Tuple[str, Owner]]:
+    """memshare folders of this user under ``bases``, with their owners."""
+    found = []
+    for base in sorted({b for b in bases if b}):
+        try:
+            entries = os.listdir(base)
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.startswith(FOLDER_PREFIX):
+                continue
+            owner = parse_folder_name(entry)
+            path = os.path.join(base, entry)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if owner is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            found.append((path, owner))
+    return found
+
+
+def folder_size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def sweep_dead_owners(bases, dry_run: bool = False) -> List[Tuple[str, int]]:
+    """Remove the folders of owners that no longer exist; return (path, bytes)."""
+    removed = []
+    for path, owner in list_folders(bases):
+        if owner.is_alive():
+            continue
+        size = folder_size(path)
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append((path, size))
+    return removed
+
+
+def candidate_bases(explicit: Optional[str] = None) -> set:
+    """Every location memshare folders of this user may be found in."""
+    primary, _ = default_base(explicit)
+    return {primary, SHM_ROOT, tempfile.gettempdir(), fallback_base(primary) or primary}

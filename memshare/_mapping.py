@@ -1,0 +1,140 @@
+"""Turning an :class:`ArrayRef` back into an array, in any process.
+
+A worker keeps each file's mapping open across tasks (:class:`MappingCache`):
+mapping anew for every task would pay the page faults of the whole input
+again each time. The cache must not outlive the file, or an idle worker
+would pin the memory of a deleted file: a daemon thread checks the cached
+paths every ``PRUNE_INTERVAL`` seconds and drops the mappings whose file is
+gone or was replaced. Copy-on-write mappings (``'c'``) are never cached: a
+task's private writes must not leak into the next task.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from typing import Dict, Tuple
+
+import numpy as np
+
+from ._refs import USER, ArrayRef, kind_of_path
+
+PRUNE_INTERVAL = 0.5  # seconds between checks for deleted files in the cache
+_OPEN_FLAGS = {"r": os.O_RDONLY, "c": os.O_RDONLY, "r+": os.O_RDWR}
+_Key = Tuple[str, int, int, str]
+
+
+def _check_ref(ref: ArrayRef) -> None:
+    """Refuse references that do not point where memshare would write."""
+    if ref.kind != USER and kind_of_path(ref.path) != ref.kind:
+        raise PermissionError(f"memshare: refusing to map {ref.path!r}: not a memshare {ref.kind} file")
+    if ref.mode not in _OPEN_FLAGS:
+        raise ValueError(f"memshare: invalid mapping mode {ref.mode!r} in a reference")
+
+
+def map_file(ref: ArrayRef) -> np.memmap:
+    """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap``."""
+    _check_ref(ref)
+    fd = os.open(ref.path, _OPEN_FLAGS[ref.mode] | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb" if ref.mode != "r+" else "r+b") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (ref.device, ref.inode):
+            raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
+        base = np.memmap(handle, dtype=np.uint8, mode=ref.mode)
+    base.filename = ref.path  # np.memmap leaves it unset for file objects
+    return base
+
+
+def view_of(base: np.memmap, ref: ArrayRef) -> np.memmap:
+    """The array ``ref`` describes, as a view of ``base`` (no copy)."""
+    view = np.ndarray.__new__(
+        np.memmap, ref.shape, ref.dtype, buffer=base, offset=ref.offset, strides=ref.strides
+    )
+    # Constructing from a buffer does not link the view to its memmap; this
+    # public hook copies filename/mode and keeps slices of the view memmaps.
+    view.__array_finalize__(base)
+    return view
+
+
+class MappingCache:
+    """Mappings of shared files kept open in this process, thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bases: Dict[_Key, np.memmap] = {}
+        self._pruner_started = False
+
+    def array(self, ref: ArrayRef) -> np.memmap:
+        if ref.mode == "c":
+            return view_of(map_file(ref), ref)
+        key = (ref.path, ref.device, ref.inode, ref.mode)
+        with self._lock:
+            base = self._bases.get(key)
+        if base is None:
+            base = map_file(ref)
+            with self._lock:
+                base = self._bases.setdefault(key, base)
+                self._start_pruner()
+        return view_of(base, ref)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._bases)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bases.clear()
+
+    def prune(self) -> None:
+        """Drop mappings whose file was deleted or replaced."""
+        with self._lock:
+            keys = list(self._bases)
+        stale = []
+        for key in keys:
+            path, device, inode, _ = key
+            try:
+                info = os.stat(path)
+                if (info.st_dev, info.st_ino) != (device, inode):
+                    stale.append(key)
+            except OSError:
+                stale.append(key)
+        if stale:
+            with self._lock:
+                for key in stale:
+                    self._bases.pop(key, None)
+
+    def _start_pruner(self) -> None:
+        if self._pruner_started:
+            return
+        self._pruner_started = True
+        thread = threading.Thread(target=self._prune_forever, name="memshare-mapping-pruner", daemon=True)
+        thread.start()
+
+    def _prune_forever(self) -> None:
+        while True:
+            time.sleep(PRUNE_INTERVAL)
+            self.prune()
+
+
+# One cache per process: mappings are a per-process resource, and every task
+# run in this process should reuse them. Replaced in forked children, whose
+# pruner thread did not survive the fork.
+cache = MappingCache()
+
+
+def _reset_after_fork() -> None:
+    global cache
+    cache = MappingCache()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def array_from_ref(ref: ArrayRef, cached: bool = True) -> np.memmap:
+    """The array behind ``ref``; ``cached=False`` maps privately for the caller."""
+    if cached:
+        return cache.array(ref)
+    return view_of(map_file(ref), ref)

@@ -1,0 +1,198 @@
+"""The sharing policy: which arrays travel as file references, both ways.
+
+This module knows nothing of pools or executors. It turns any picklable
+object into a payload in which every ``np.ndarray`` (nested
+anywhere: in tuples, dicts, DataFrames, sparse matrices, estimators) was
+handed to an *array policy* first:
+
+* :class:`InputPolicy`, in the parent, for task arguments: arrays already
+  backed by a file mapping become references whatever their size; other
+  arrays larger than ``max_nbytes`` are dumped once (by the session, which
+  deduplicates by identity) and become references; the rest are pickled.
+* :class:`ResultPolicy`, in a worker, for return values: views of the user's
+  own file mappings come back as references to the same memory; other large
+  arrays, including views of the call's temporary dumps, are written to a
+  new result file that the parent adopts (see :func:`adopt_result`).
+
+Payloads (plain ``bytes``) are pickled with cloudpickle (lambdas, functions of ``__main__``)
+and pickle protocol 5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import mmap
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import cloudpickle
+import numpy as np
+
+from ._dumping import dump_array
+from ._folders import FolderPair
+from ._mapping import array_from_ref, map_file
+from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, find_backing
+from ._stats import REFERENCED, log_decision
+
+# Reduction used for arrays that travel by value: numpy's own.
+Reduction = Tuple[Callable[..., Any], tuple]
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file: io.BytesIO, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) -> None:
+        super().__init__(file, protocol=5)
+        self._reduce_array = reduce_array
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Exact types only: other ndarray subclasses (masked arrays, matrices)
+        # pickle their own way, through plain arrays that come back here.
+        if type(obj) is np.ndarray or type(obj) is np.memmap:
+            reduced = self._reduce_array(obj)
+            if reduced is not None:
+                return reduced
+            if type(obj) is np.memmap:
+                # A memmap that is not shared as a file must not be rebuilt as
+                # a memmap without a file on the other side.
+                return _plain_reduction(obj)
+            return NotImplemented
+        return super().reducer_override(obj)
+
+
+def _plain_reduction(array: np.ndarray) -> Reduction:
+    return np.asarray(array).view(np.ndarray).__reduce_ex__(5)
+
+
+def pack(obj: Any, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, reduce_array).dump(obj)
+    return buffer.getvalue()
+
+
+def unpack(stream: bytes) -> Any:
+    return pickle.loads(stream)
+
+
+def _rebuild_input(ref: ArrayRef) -> np.memmap:
+    """In a worker: the shared array, mapped through the process's cache."""
+    return array_from_ref(ref, cached=True)
+
+
+def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
+    """In the parent: a result that views the user's own file mapping."""
+    from .arrays import lookup_shared  # local: arrays imports this module
+
+    shared = lookup_shared(ref)
+    if shared is not None:
+        return shared
+    return array_from_ref(ref, cached=False)
+
+
+def adopt_result(ref: ArrayRef) -> np.ndarray:
+    """In the parent: map a worker's result file and delete its name at once.
+
+    From then on the memory lives exactly as long as the returned array (the
+    mapping is its base); nothing is left on disk whatever happens next. The
+    array is a plain, writable ``np.ndarray``: the mapping is shared but no
+    other process has the file any more.
+    """
+    if ref.kind != RESULT:
+        raise PermissionError(f"memshare: {ref.path!r} is not a result file")
+    base = map_file(dataclasses.replace(ref, mode="r+"))
+    try:
+        os.unlink(ref.path)
+    except FileNotFoundError:
+        pass
+    raw = base.base
+    assert isinstance(raw, mmap.mmap)
+    return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
+
+
+class InputPolicy:
+    """Parent side: how task arguments travel (call it on each array).
+
+    ``dump`` is the session's deduplicating writer; ``on_reference`` lets
+    the session count the files each task depends on.
+    """
+
+    def __init__(
+        self,
+        max_nbytes: Optional[int],
+        dump: Callable[[np.ndarray], ArrayRef],
+        on_reference: Callable[[ArrayRef, np.ndarray], None],
+        on_pickled: Callable[[np.ndarray], None],
+    ) -> None:
+        self.max_nbytes = max_nbytes
+        self._dump = dump
+        self._on_reference = on_reference
+        self._on_pickled = on_pickled
+
+    def __call__(self, array: np.ndarray) -> Optional[Reduction]:
+        if array.dtype.hasobject or array.nbytes == 0:
+            self._on_pickled(array)
+            return None
+        ref = find_backing(array)
+        if ref is not None:
+            self._on_reference(ref, array)
+            return _rebuild_input, (ref,)
+        if self.max_nbytes is None or array.nbytes <= self.max_nbytes:
+            self._on_pickled(array)
+            return None
+        ref = self._dump(array)
+        return _rebuild_input, (ref,)
+
+
+@dataclass(frozen=True)
+class ResultSpec:
+    """What a worker needs to send results back: where, and above which size."""
+
+    folder: FolderPair
+    max_nbytes: Optional[int]
+
+
+class ResultPolicy:
+    """Worker side: how return values travel.
+
+    Records the result files it writes so that they can be removed if
+    pickling the rest of the result fails.
+    """
+
+    def __init__(self, spec: ResultSpec) -> None:
+        self.spec = spec
+        self.written: List[str] = []
+
+    def __call__(self, array: np.ndarray) -> Optional[Reduction]:
+        if array.dtype.hasobject or array.nbytes == 0:
+            return None
+        ref = find_backing(array)
+        if ref is not None and ref.kind in (USER, SHARED):
+            log_decision(REFERENCED, array, ref.path)
+            return _rebuild_reference, (ref,)
+        # A view of a temporary dump (or of anything else) must come back as
+        # independent memory: the dump is deleted when the call ends.
+        if self.spec.max_nbytes is None or array.nbytes <= self.spec.max_nbytes:
+            return None
+        ref, _ = dump_array(self.spec.folder, array, RESULT, "r+")
+        self.written.append(ref.path)
+        return adopt_result, (ref,)
+
+    def discard_written(self) -> None:
+        for path in self.written:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.written.clear()
+
+
+__all__ = [
+    "DUMP",
+    "InputPolicy",
+    "ResultPolicy",
+    "ResultSpec",
+    "adopt_result",
+    "pack",
+    "unpack",
+]

@@ -1,0 +1,136 @@
+"""References to array memory that lives in a file, and how to find them.
+
+An :class:`ArrayRef` is what travels between processes instead of an array's
+bytes: the file, its identity (device and inode, so that a recycled path is
+never mistaken for the original), and the array's geometry in it. It can
+describe any strided view, including transposes, negative strides and
+offsets that are not page-aligned, so a worker rebuilds exactly the parent's
+array: same values, shape, strides, dtype and order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ._owners import parse_folder_name
+
+#: What the file behind a reference is, which decides its lifetime and how
+#: results that view it come back (see ``_reducers``).
+DUMP = "dump"  # written by memshare for one pool or call; temporary
+RESULT = "result"  # written by a worker for a result; the parent adopts it
+SHARED = "shared"  # a memshare.empty()/share() array owned by the user's process
+USER = "user"  # any other file mapping the user made (np.memmap, mmap.mmap)
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """Where an array's elements are in a file, and how to map them."""
+
+    path: str
+    device: int
+    inode: int
+    kind: str
+    mode: str  # the mode workers map the file with: 'r', 'r+' or 'c'
+    offset: int  # file offset of the element at index (0, ..., 0)
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def data_address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    """The outermost ndarray in ``array``'s chain of bases."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def kind_of_path(path: str) -> str:
+    """Classify a file by its name: memshare's own files carry their kind."""
+    folder, name = os.path.split(path)
+    owner_folder = os.path.basename(folder)
+    if parse_folder_name(owner_folder) is None:
+        return USER
+    prefix = name.split("-", 1)[0]
+    return prefix if prefix in (DUMP, RESULT, SHARED) else USER
+
+
+def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
+    """A reference to the file that ``array``'s memory maps, if there is one.
+
+    Covers ``np.memmap`` and its views at any depth (found through the
+    public ``filename``/``offset`` of the memmap that owns the mapping) and,
+    on Linux, arrays over a raw ``mmap.mmap`` of a file (found through
+    ``/proc/self/maps``). Returns None for ordinary memory.
+    """
+    root = _root(array)
+    if not isinstance(root.base, mmap.mmap):
+        return None
+    if isinstance(root, np.memmap) and getattr(root, "filename", None):
+        path, root_offset = root.filename, int(root.offset)
+        mode = {"w+": "r+", "readwrite": "r+", "write": "r+", "readonly": "r", "copyonwrite": "c"}.get(
+            root.mode, root.mode
+        )
+    else:
+        located = _locate_mapping(data_address(root))
+        if located is None:
+            return None
+        path, root_offset = located
+        mode = "r+" if root.flags.writeable else "r"
+    if mode == "c":
+        # A copy-on-write mapping's private pages differ from the file: the
+        # file is not the array's content, so it must travel by value.
+        return None
+    if not array.flags.writeable:
+        mode = "r"
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    offset = root_offset + data_address(array) - data_address(root)
+    return ArrayRef(
+        path=path,
+        device=info.st_dev,
+        inode=info.st_ino,
+        kind=kind_of_path(path),
+        mode=mode,
+        offset=offset,
+        shape=tuple(array.shape),
+        strides=tuple(array.strides),
+        dtype=array.dtype,
+    )
+
+
+def _locate_mapping(address: int) -> Optional[Tuple[str, int]]:
+    """(path, file offset) of ``address`` in this process's file mappings."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split(b"-"))
+        if start <= address < end:
+            path = fields[5].strip()
+            if not path.startswith(b"/") or path.endswith(b" (deleted)"):
+                return None
+            return os.fsdecode(path), int(fields[2], 16) + address - start
+    return None

@@ -1,0 +1,263 @@
+"""The parent side of one pool or one joblib call: dumps, their lifetimes, results.
+
+A :class:`Session` owns a :class:`TempFolder` and the files dumped into it.
+
+Deduplication
+    An array is dumped once per session, keyed by its identity, never by its
+    content. The entry holds a weak reference whose callback removes the key
+    before the array's memory (and so its ``id()``) can be reused, so a new
+    array never aliases a dead one.
+
+Staleness
+    An array mutated in place after it was dumped must not be served stale.
+    When an array is reused in a later *generation* (a new joblib call, a
+    new pool method call) and no task that uses it is still pending, its
+    bytes are compared with the file (about 0.15 s/GiB, several times cheaper
+    than writing it again) and it is dumped again if they differ. While
+    tasks are pending, a mutation would race with them anyway, so submitting
+    the same array many times in a row costs nothing.
+
+Early deletion
+    Every task records the files it references. A file is deleted as soon
+    as no pending task references it, unless it is *shared*: used by two or
+    more tasks so far, and its array still alive. Shared files stay until the
+    session closes; so a call over many distinct arrays keeps only what is in
+    flight, while an array used by every task is written once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ._config import Settings
+from ._dumping import dump_array
+from ._folders import TempFolder
+from ._mapping import map_file, view_of
+from ._reducers import InputPolicy, ResultSpec, pack
+from ._refs import DUMP, ArrayRef
+from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, logger, record_finished
+from ._worker import Outcome, Task, restore
+
+_COMPARE_BYTES = 16 * 1024**2
+
+
+@dataclass
+class _Dump:
+    """One array dumped in this session."""
+
+    source: Optional[weakref.ref]  # None once the array was garbage-collected
+    ref: Optional[ArrayRef]  # None while no file holds the array
+    generation: int  # the generation in which the file was last known current
+    pending: int = 0  # pending tasks that reference the file
+    uses: int = 0  # tasks that referenced this array so far
+    parent_view: Optional[np.ndarray] = field(default=None, repr=False)
+
+
+class Session:
+    """Dumps, references and results of one pool or call. Thread-safe."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.folder = TempFolder(settings.temp_folder)
+        self.stats = CallStats()
+        self._lock = threading.RLock()
+        self._by_id: Dict[int, _Dump] = {}
+        self._by_path: Dict[str, _Dump] = {}
+        self._task_files: Dict[int, List[str]] = {}
+        self._tokens = itertools.count(1)
+        self._generation = 0
+        self._packing: Optional[List[str]] = None  # files of the task being packed
+        self._logged: set = set()
+        self._closed = False
+        self._results = ResultSpec(self.folder.pair, settings.max_nbytes)
+
+    # -- calls ---------------------------------------------------------------
+
+    def new_generation(self) -> None:
+        """Mark the start of a new call: reused arrays get checked for changes."""
+        with self._lock:
+            self._generation += 1
+
+    # -- tasks ---------------------------------------------------------------
+
+    def pack_task(self, func: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Task:
+        """Pack a call of ``func`` for a worker, dumping large arrays as needed.
+
+        Raises the pickling error itself (in the caller's thread) for an
+        argument that cannot be pickled.
+        """
+        policy = InputPolicy(self.settings.max_nbytes, self._dump, self._on_reference, self._on_pickled)
+        with self._lock:
+            self._check_open()
+            token = next(self._tokens)
+            self._packing = files = []
+            try:
+                stream = pack((func, args, kwargs or {}), policy)
+            except BaseException:
+                self._release(files)
+                raise
+            finally:
+                self._packing = None
+            self._task_files[token] = files
+            self.stats.add(tasks=1, bytes_pickled=len(stream))
+        return Task(token, stream, self._results)
+
+    def finish(self, outcome: Outcome) -> Tuple[bool, Any]:
+        """Release a finished task's files and restore its result or exception."""
+        self.task_done(outcome.token)
+        self.stats.add(
+            results_by_reference=outcome.result_arrays,
+            bytes_results_by_reference=outcome.result_bytes,
+        )
+        return restore(outcome)
+
+    def task_done(self, token: int) -> None:
+        """The task ``token`` will not read its inputs any more (done or abandoned)."""
+        with self._lock:
+            files = self._task_files.pop(token, None)
+            if files:
+                self._release(files)
+
+    # -- the input policy's callbacks (called with the lock held) -------------
+
+    def _on_reference(self, ref: ArrayRef, array: np.ndarray) -> None:
+        if ref.kind == DUMP and ref.path in self._by_path:
+            # A view of one of this session's dumps (sent from a nested call).
+            self._use(self._by_path[ref.path])
+            return
+        self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
+        self._log_once(REFERENCED, array, ref.path)
+
+    def _on_pickled(self, array: np.ndarray) -> None:
+        self.stats.add(arrays_pickled=1)
+        self._log_once(PICKLED, array, "")
+
+    def _dump(self, array: np.ndarray) -> ArrayRef:
+        entry = self._by_id.get(id(array))
+        if entry is not None and (entry.source is None or entry.source() is not array):
+            entry = None  # cannot happen while callbacks run; defensive
+        if entry is not None and entry.ref is not None and entry.generation != self._generation:
+            if entry.pending == 0 and not self._matches_file(entry, array):
+                self._delete_file(entry)
+            entry.generation = self._generation
+        if entry is None:
+            entry = _Dump(source=None, ref=None, generation=self._generation)
+            key = id(array)
+            entry.source = weakref.ref(array, lambda _, key=key: self._forget(key))
+            self._by_id[key] = entry
+        if entry.ref is None:
+            ref, seconds = dump_array(self.folder.pair, array, DUMP, self._worker_mode())
+            entry.ref, entry.generation = ref, self._generation
+            self._by_path[ref.path] = entry
+            self.stats.add(arrays_dumped=1, bytes_dumped=array.nbytes, dump_seconds=seconds)
+            if not self.folder.pair.primary == os.path.dirname(ref.path):
+                self.stats.add(fallback_files=1)
+            log_decision(DUMPED, array, ref.path, seconds)
+        self._use(entry)
+        return entry.ref
+
+    def _worker_mode(self) -> str:
+        return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode
+
+    def _use(self, entry: _Dump) -> None:
+        entry.uses += 1
+        entry.pending += 1
+        if self._packing is not None:
+            self._packing.append(entry.ref.path)
+
+    def _log_once(self, decision: str, array: np.ndarray, where: str) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        if id(array) not in self._logged:
+            self._logged.add(id(array))
+            log_decision(decision, array, where)
+
+    # -- lifetimes -------------------------------------------------------------
+
+    def _matches_file(self, entry: _Dump, array: np.ndarray) -> bool:
+        """True when the file still holds exactly ``array``'s bytes."""
+        if entry.parent_view is None:
+            entry.parent_view = view_of(map_file(entry.ref), entry.ref)
+        stored = entry.parent_view
+        if stored.shape != array.shape or stored.dtype != array.dtype:
+            return False
+        if array.ndim == 0:
+            return stored.tobytes() == array.tobytes()
+        step = max(1, _COMPARE_BYTES // max(array[0:1].nbytes, 1))
+        for start in range(0, array.shape[0], step):
+            ours = _raw(np.ascontiguousarray(array[start : start + step]))
+            theirs = _raw(np.ascontiguousarray(stored[start : start + step]))
+            if not np.array_equal(ours, theirs):
+                return False
+        return True
+
+    def _release(self, paths: List[str]) -> None:
+        for path in paths:
+            entry = self._by_path.get(path)
+            if entry is None:
+                continue
+            entry.pending -= 1
+            if entry.pending > 0:
+                continue
+            alive = entry.source is not None and entry.source() is not None
+            if not alive or entry.uses < 2:
+                # A dead array's entry already left _by_id (see _forget); a live
+                # single-use array keeps its entry, so a second use marks it shared.
+                self._delete_file(entry)
+
+    def _forget(self, key: int) -> None:
+        """Weakref callback: the array behind ``key`` was garbage-collected."""
+        with self._lock:
+            entry = self._by_id.pop(key, None)
+            if entry is None:
+                return
+            entry.source = None
+            if entry.pending == 0:
+                self._delete_file(entry)
+
+    def _delete_file(self, entry: _Dump) -> None:
+        if entry.ref is None:
+            return
+        self._by_path.pop(entry.ref.path, None)
+        entry.parent_view = None
+        try:
+            os.unlink(entry.ref.path)
+        except FileNotFoundError:
+            pass
+        entry.ref = None
+
+    def live_files(self) -> List[str]:
+        with self._lock:
+            return sorted(self._by_path)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("memshare: this pool or call has already finished")
+
+    def close(self) -> None:
+        """Delete every file of the session; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in list(self._by_path.values()):
+                entry.parent_view = None
+            self._by_id.clear()
+            self._by_path.clear()
+            self._task_files.clear()
+        self.folder.remove()
+        record_finished(self.stats)
+
+
+def _raw(contiguous: np.ndarray) -> np.ndarray:
+    raw = contiguous.reshape(-1).view(np.uint8)
+    return raw.view(np.uint64) if raw.size % 8 == 0 else raw
+

@@ -1,0 +1,119 @@
+"""What a pool or call shared, as figures and as log lines.
+
+Each session keeps a :class:`CallStats`. Decisions are logged on the
+``memshare`` logger at DEBUG level, once per array; a one-line summary is
+logged at INFO level when the session ends. ``MEMSHARE_DEBUG=1`` (or a
+``verbose`` setting) turns the log on without configuring ``logging``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Dict, Optional
+
+import numpy as np
+
+logger = logging.getLogger("memshare")
+
+DUMPED = "dumped"
+REFERENCED = "referenced"
+PICKLED = "pickled"
+
+
+@dataclass
+class CallStats:
+    """Figures of one pool or call (a managed context counts as one)."""
+
+    arrays_dumped: int = 0
+    bytes_dumped: int = 0
+    dump_seconds: float = 0.0
+    arrays_referenced: int = 0
+    bytes_referenced: int = 0
+    arrays_pickled: int = 0
+    bytes_pickled: int = 0
+    results_by_reference: int = 0
+    bytes_results_by_reference: int = 0
+    tasks: int = 0
+    fallback_files: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def as_dict(self) -> Dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def summary(self) -> str:
+        return (
+            f"memshare: {self.tasks} tasks; {self.arrays_dumped} arrays dumped "
+            f"({_mib(self.bytes_dumped)} in {self.dump_seconds:.2f} s), "
+            f"{self.arrays_referenced} passed by reference ({_mib(self.bytes_referenced)}), "
+            f"{self.arrays_pickled} pickled ({_mib(self.bytes_pickled)} of task payloads); "
+            f"{self.results_by_reference} results returned by reference "
+            f"({_mib(self.bytes_results_by_reference)})"
+        )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 1024**2:.1f} MiB"
+
+
+def describe(array: np.ndarray) -> str:
+    return f"array shape={tuple(array.shape)} dtype={array.dtype} size={_mib(array.nbytes)}"
+
+
+def log_decision(decision: str, array: np.ndarray, where: Optional[str] = None, seconds: Optional[float] = None) -> None:
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    text = f"{decision} {describe(array)}"
+    if where:
+        text += f" -> {where}"
+    if seconds is not None:
+        text += f" in {seconds * 1000:.1f} ms"
+    logger.debug(text)
+
+
+def enable_logging(level: int = logging.DEBUG) -> None:
+    """Send memshare's log to stderr, unless logging is already configured for it."""
+    logger.setLevel(level)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+if os.environ.get("MEMSHARE_DEBUG", "").strip() not in ("", "0"):
+    enable_logging()
+
+
+# The figures of the last finished call in this process, for last_call_stats().
+# Module-level because "the last call" is a per-process notion.
+_last: Optional[CallStats] = None
+_last_lock = threading.Lock()
+
+
+def record_finished(stats: CallStats) -> None:
+    global _last
+    with _last_lock:
+        _last = stats
+    logger.info(stats.summary())
+
+
+def last_call_stats() -> Optional[Dict[str, float]]:
+    """The figures of the last pool or call that finished in this process.
+
+    Keys: ``arrays_dumped``, ``bytes_dumped``, ``dump_seconds``,
+    ``arrays_referenced``, ``bytes_referenced``, ``arrays_pickled``,
+    ``bytes_pickled``, ``results_by_reference``,
+    ``bytes_results_by_reference``, ``tasks``, ``fallback_files``. None
+    before the first call ends.
+    """
+    with _last_lock:
+        return None if _last is None else _last.as_dict()

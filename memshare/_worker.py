@@ -1,0 +1,120 @@
+"""What runs in a worker: unpack a task, run it, pack its outcome.
+
+Transports (the pool, the loky backend) only ever send a :class:`Task` and
+receive an :class:`Outcome`. Both are small: large arrays inside them are
+file references. ``run_task`` never raises: a failure travels back as an
+outcome, so the parent can release the task's files and re-raise the
+original exception with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from ._reducers import ResultPolicy, ResultSpec, pack, unpack
+
+
+@dataclass(frozen=True)
+class Task:
+    token: int  # identifies the task in the parent's session
+    stream: bytes  # (function, args, kwargs), packed with the input policy
+    results: ResultSpec
+
+
+@dataclass(frozen=True)
+class Outcome:
+    token: int
+    ok: bool
+    stream: bytes  # the return value packed with the result policy, or a _Failure
+    result_arrays: int = 0  # arrays returned through result files
+    result_bytes: int = 0
+
+
+class RemoteTraceback(Exception):
+    """The worker-side traceback, attached as ``__cause__`` of a re-raised error."""
+
+    def __str__(self) -> str:
+        return "\n\n" + str(self.args[0])
+
+
+@dataclass(frozen=True)
+class _Failure:
+    exception: BaseException
+    traceback: str
+
+
+class UnpicklableResultError(RuntimeError):
+    """A task's return value or exception could not be pickled."""
+
+
+def run_task(task: Task) -> Outcome:
+    """Run ``task`` in this process; always return an :class:`Outcome`."""
+    policy, token = ResultPolicy(task.results), task.token
+    try:
+        func, args, kwargs = unpack(task.stream)
+        value = func(*args, **kwargs)
+        ok = True
+    except BaseException as exc:  # KeyboardInterrupt too: its type must reach the caller
+        ok, value = False, _Failure(exc, traceback.format_exc())
+    del task  # drop the input mappings before packing the result
+    try:
+        stream = pack(value, policy)
+    except BaseException as exc:
+        policy.discard_written()
+        what = "return value" if ok else "exception"
+        error = UnpicklableResultError(
+            f"memshare: the task's {what} ({type(value if ok else value.exception).__name__}) "
+            f"cannot be pickled to send it back: {exc!r}"
+        )
+        ok, stream = False, pack(_Failure(error, traceback.format_exc()), policy)
+    return Outcome(
+        token=token,
+        ok=ok,
+        stream=stream,
+        result_arrays=len(policy.written),
+        result_bytes=sum(_size(p) for p in policy.written),
+    )
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def restore(outcome: Outcome):
+    """In the parent: (True, value) or (False, exception with remote traceback)."""
+    try:
+        value = unpack(outcome.stream)
+    except BaseException as exc:
+        return False, exc
+    if outcome.ok:
+        return True, value
+    exc = value.exception
+    if exc.__cause__ is None:
+        exc.__cause__ = RemoteTraceback(value.traceback)
+    return False, exc
+
+
+def watch_parent(interval: float = 0.5) -> None:
+    """Exit this worker when its parent process dies.
+
+    Pool workers block reading a pipe whose write end their siblings also
+    hold, so they would never notice an orphaning on their own.
+    """
+    parent = os.getppid()
+
+    def _watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=_watch, name="memshare-parent-watch", daemon=True).start()
+
+

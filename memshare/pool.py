@@ -1,0 +1,251 @@
+"""``MemmappingPool``: a ``multiprocessing.Pool`` that shares large arrays.
+
+Each task is packed in the calling thread (or, for lazy iterables, in the
+pool's task-feeding thread) by the pool's :class:`Session`: large arrays are
+dumped once and travel as file references. Workers run ``run_task`` and send
+back an ``Outcome``, which the pool turns back into the value, or the
+exception, on the result thread before the standard machinery sees it.
+
+Two gaps of the standard pool are closed: a worker that dies mid-task (killed,
+segfault, out of memory) fails the pending results promptly instead of
+hanging them forever, and workers exit by themselves when the parent dies.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sized
+from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from ._config import Settings
+from ._session import Session
+from ._worker import Outcome, run_task, watch_parent
+
+_MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended abruptly while tasks were pending."""
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    """A human explanation of a worker's exit code, with a hint."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hints = {
+        "SIGKILL": "it was killed, probably by the out-of-memory killer: use fewer workers or less memory per task",
+        "SIGBUS": "shared memory is probably exhausted: give /dev/shm more room (docker run --shm-size=...)"
+        " or set MEMSHARE_TEMP_FOLDER",
+        "SIGSEGV": "it crashed in native code (segmentation fault)",
+    }
+    hint = hints.get(name, "")
+    return f"was terminated by {name}" + (f"; {hint}" if hint else "")
+
+
+def _worker_init(initializer: Optional[Callable], initargs: tuple) -> None:
+    watch_parent()
+    if initializer is not None:
+        initializer(*initargs)
+
+
+class _PackedTasks(Sized):
+    """The tasks of a map call, packed lazily as the pool consumes them."""
+
+    def __init__(self, session: Session, func: Callable, items: list, star: bool) -> None:
+        self._session, self._func, self._items, self._star = session, func, items, star
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator:
+        for item in self._items:
+            args = tuple(item) if self._star else (item,)
+            yield self._session.pack_task(self._func, args)
+
+
+class MemmappingPool(Pool):
+    """A process pool whose workers receive large NumPy arrays as shared memory.
+
+    Arguments are those of :class:`multiprocessing.pool.Pool`, plus:
+
+    max_nbytes
+        Arrays larger than this (int bytes, or a string such as ``"1M"``) are
+        written once to a file in shared memory and mapped by the workers;
+        None disables dumping. Arrays already backed by a file (``np.memmap``,
+        memshare shared arrays, and their views) always go by reference.
+    mmap_mode
+        How workers map dumped arrays: ``'r'`` read-only, ``'c'``
+        copy-on-write, ``'r+'``/``'w+'`` writable and shared among workers.
+    temp_folder
+        Where the pool's private folder goes; by default ``$MEMSHARE_TEMP_FOLDER``,
+        ``$JOBLIB_TEMP_FOLDER``, ``/dev/shm``, then the system temp dir.
+
+    The pool's folder is deleted by ``terminate()``, by ``close()`` then
+    ``join()``, on leaving a ``with`` block, and at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        processes: Optional[int] = None,
+        initializer: Optional[Callable] = None,
+        initargs: Iterable = (),
+        maxtasksperchild: Optional[int] = None,
+        context: Any = None,
+        max_nbytes: Any = "1M",
+        mmap_mode: str = "r",
+        temp_folder: Optional[str] = None,
+    ) -> None:
+        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
+            raise ValueError(f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs")
+        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
+        self._session = Session(settings)  # before Pool.__init__: _setup_queues uses it
+        self._stopping = False
+        self._seen_dead: set = set()
+        try:
+            super().__init__(processes, _worker_init, (initializer, tuple(initargs)), maxtasksperchild, context)
+        except BaseException:
+            self._session.close()
+            raise
+        self._monitor = threading.Thread(target=self._watch_workers, name="memshare-pool-monitor", daemon=True)
+        self._monitor.start()
+
+    # -- task submission ---------------------------------------------------------
+
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (Pool's signature)
+        self._session.new_generation()
+        task = self._session.pack_task(func, tuple(args), dict(kwds))
+        return super().apply_async(run_task, (task,), {}, callback, error_callback)
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map(func, iterable, chunksize, callback, error_callback, star=False)
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map(func, iterable, chunksize, callback, error_callback, star=True)
+
+    def map(self, func, iterable, chunksize=None):
+        return self.map_async(func, iterable, chunksize).get()
+
+    def starmap(self, func, iterable, chunksize=None):
+        return self.starmap_async(func, iterable, chunksize).get()
+
+    def imap(self, func, iterable, chunksize=1):
+        self._session.new_generation()
+        return super().imap(run_task, self._lazy(func, iterable), chunksize)
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        self._session.new_generation()
+        return super().imap_unordered(run_task, self._lazy(func, iterable), chunksize)
+
+    def _map(self, func, iterable, chunksize, callback, error_callback, star):
+        self._session.new_generation()
+        items = list(iterable)
+        tasks = _PackedTasks(self._session, func, items, star)
+        return super().map_async(run_task, tasks, chunksize, callback, error_callback)
+
+    def _lazy(self, func, iterable):
+        for item in iterable:
+            yield self._session.pack_task(func, (item,))
+
+    # -- results -----------------------------------------------------------------
+
+    def _setup_queues(self) -> None:
+        super()._setup_queues()
+        receive = self._quick_get  # read by Pool.__init__ right after this call
+        session = self._session
+
+        def receive_and_restore():
+            return _restore_message(session, receive())
+
+        self._quick_get = receive_and_restore
+
+    # -- lifetime ----------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stopping = True
+        super().close()
+
+    def terminate(self) -> None:
+        self._stopping = True
+        try:
+            super().terminate()
+        finally:
+            self._session.close()
+
+    def join(self) -> None:
+        super().join()
+        self._session.close()
+
+    @property
+    def temp_folder(self) -> str:
+        """The path of this pool's folder in shared memory (created on first use)."""
+        return self._session.folder.pair.primary
+
+    def _watch_workers(self) -> None:
+        """Fail pending results promptly when a worker dies abruptly."""
+        import time
+
+        while not self._stopping:
+            time.sleep(_MONITOR_INTERVAL)
+            for process in list(self._pool):
+                code = process.exitcode
+                if code is None or code == 0 or process.pid in self._seen_dead or self._stopping:
+                    continue
+                self._seen_dead.add(process.pid)
+                self._fail_pending(
+                    WorkerDiedError(
+                        f"memshare: worker process {process.pid} {describe_exit(code)}. "
+                        "The tasks that were pending have been abandoned; the pool starts a new worker."
+                    )
+                )
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for result in list(self._cache.values()):
+            try:
+                if isinstance(result, IMapIterator):
+                    index = result._index
+                    result._set(index, (False, error))
+                    result._set_length(index + 1)
+                elif isinstance(result, MapResult):
+                    while not result.ready():
+                        result._set(0, (False, error))
+                elif isinstance(result, ApplyResult):
+                    result._set(0, (False, error))
+            except (KeyError, IndexError, TypeError):
+                pass  # finished concurrently
+
+
+def _restore_message(session: Session, message: Any) -> Any:
+    """Turn a worker's message back into what the standard pool expects.
+
+    Runs on the pool's result thread, so it must never raise: any failure
+    becomes the failure of the task it belongs to.
+    """
+    if message is None:
+        return message
+    try:
+        job, index, (success, value) = message
+    except (TypeError, ValueError):
+        return message
+    if not success:
+        return message
+    try:
+        if isinstance(value, Outcome):
+            return job, index, session.finish(value)
+        if isinstance(value, list) and all(isinstance(item, Outcome) for item in value):
+            restored = [session.finish(item) for item in value]
+            failure = next((item for ok, item in restored if not ok), None)
+            if failure is not None:
+                return job, index, (False, failure)
+            return job, index, (True, [item for _, item in restored])
+    except BaseException as exc:
+        return job, index, (False, exc)
+    return message
+
+
+MemmapingPool = MemmappingPool
