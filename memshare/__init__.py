@@ -10,18 +10,27 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 from ._folders import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._stats import last_call_stats
 from ._worker import RemoteTraceback, UnpicklableResultError
-from .pool import MemmapingPool, MemmappingPool, WorkerDiedError
+from ._errors import WorkerDiedError
+from .backend import MemshareBackend, register_backend
+from .parallel import Parallel, delayed
+from .pool import MemmapingPool, MemmappingPool
+
+register_backend()
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MemmapingPool",
     "MemmappingPool",
+    "MemshareBackend",
+    "Parallel",
     "RemoteTraceback",
     "SharedMemoryFallbackWarning",
     "SharedMemoryFullError",
     "UnpicklableResultError",
     "WorkerDiedError",
     "__version__",
+    "delayed",
     "last_call_stats",
+    "register_backend",
 ]

@@ -13,39 +13,18 @@ hanging them forever, and workers exit by themselves when the parent dies.
 
 from __future__ import annotations
 
-import signal
 import threading
+import time
 from collections.abc import Sized
 from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ._config import Settings
+from ._errors import WorkerDiedError, describe_exit
 from ._session import Session
 from ._worker import Outcome, run_task, watch_parent
 
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process ended abruptly while tasks were pending."""
-
-
-def describe_exit(exitcode: Optional[int]) -> str:
-    """A human explanation of a worker's exit code, with a hint."""
-    if exitcode is None or exitcode >= 0:
-        return f"exited with code {exitcode}"
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        name = f"signal {-exitcode}"
-    hints = {
-        "SIGKILL": "it was killed, probably by the out-of-memory killer: use fewer workers or less memory per task",
-        "SIGBUS": "shared memory is probably exhausted: give /dev/shm more room (docker run --shm-size=...)"
-        " or set MEMSHARE_TEMP_FOLDER",
-        "SIGSEGV": "it crashed in native code (segmentation fault)",
-    }
-    hint = hints.get(name, "")
-    return f"was terminated by {name}" + (f"; {hint}" if hint else "")
 
 
 def _worker_init(initializer: Optional[Callable], initargs: tuple) -> None:
@@ -188,8 +167,6 @@ class MemmappingPool(Pool):
 
     def _watch_workers(self) -> None:
         """Fail pending results promptly when a worker dies abruptly."""
-        import time
-
         while not self._stopping:
             time.sleep(_MONITOR_INTERVAL)
             for process in list(self._pool):

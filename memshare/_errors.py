@@ -1,0 +1,36 @@
+"""Errors shared by the transports, and how a worker's death is explained."""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+from loky.process_executor import TerminatedWorkerError
+
+
+class WorkerDiedError(TerminatedWorkerError):
+    """A worker process ended abruptly (killed, crashed) while tasks were pending.
+
+    A subclass of loky's ``TerminatedWorkerError`` (hence of ``RuntimeError``),
+    so code written for joblib's loky backend catches it too.
+    """
+
+
+_HINTS = {
+    "SIGKILL": "it was killed, probably by the out-of-memory killer: use fewer workers or less memory per task",
+    "SIGBUS": "shared memory is probably exhausted: give /dev/shm more room (docker run --shm-size=...) "
+    "or set MEMSHARE_TEMP_FOLDER",
+    "SIGSEGV": "it crashed in native code (segmentation fault)",
+}
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    """A human explanation of a worker's exit code, with a hint for common signals."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hint = _HINTS.get(name)
+    return f"was terminated by {name}" + (f" ({hint})" if hint else "")

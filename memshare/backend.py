@@ -1,0 +1,201 @@
+"""The ``"memshare"`` joblib backend, on loky's reusable executor.
+
+Workers are loky's reusable processes; memshare only changes what travels.
+Each batch joblib submits is packed by the call's :class:`Session` in the
+dispatching thread, so large arrays are dumped once per call (or once per
+``with Parallel() as p:`` context) and sent as references; results come back
+through shared memory the same way.
+
+The sharing settings (``max_nbytes``, ``mmap_mode``, ``temp_folder``) are
+not executor arguments: changing them between calls takes effect at once and
+never restarts the workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import threading
+from typing import Any, Optional
+
+import joblib
+import loky
+from joblib.parallel import (
+    AutoBatchingMixin,
+    FallbackToBackend,
+    ParallelBackendBase,
+    SequentialBackend,
+)
+from loky.process_executor import ShutdownExecutorError, TerminatedWorkerError
+
+from ._config import Settings
+from ._errors import WorkerDiedError, describe_exit
+from ._session import Session
+from ._stats import enable_logging
+from ._worker import run_task
+
+BACKEND_NAME = "memshare"
+
+# loky recycles a worker whose RSS grew by more than 300 MB, taking it for a
+# leak. RSS counts the shared pages a worker maps, and memshare keeps those
+# mappings open across tasks on purpose, so that check would restart workers
+# over and over. It stays under the user's control through the variable.
+_LEAK_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
+_NO_LEAK_LIMIT = str(2**62)
+
+
+def _check_n_jobs(n_jobs: Any) -> Optional[int]:
+    if n_jobs is None:
+        return None
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int):
+        try:
+            as_int = int(n_jobs)
+        except (TypeError, ValueError):
+            as_int = None
+        if as_int is None or as_int != n_jobs:
+            raise ValueError(f"n_jobs={n_jobs!r} is not an integer: pass e.g. 2, -1 (all CPUs) or None")
+        n_jobs = as_int
+    if n_jobs == 0:
+        raise ValueError("n_jobs=0 has no meaning: pass a positive number of workers, -1 for all CPUs, or None")
+    return n_jobs
+
+
+class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
+    """joblib backend running on loky workers with memshare's sharing."""
+
+    supports_retrieve_callback = True
+    supports_inner_max_num_threads = True
+
+    def __init__(self, nesting_level=None, inner_max_num_threads=None, idle_worker_timeout=300, **backend_kwargs):
+        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
+        self.idle_worker_timeout = idle_worker_timeout
+        self._executor = None
+        self._session: Optional[Session] = None
+        self._n_jobs = 1
+
+    def effective_n_jobs(self, n_jobs) -> int:
+        n_jobs = _check_n_jobs(n_jobs)
+        if n_jobs is None or n_jobs == 1:
+            return 1
+        if mp.current_process().daemon:
+            return 1  # daemonic processes cannot have children
+        if not (self.in_main_thread() or self.nesting_level == 0):
+            return 1  # no fork from a non-main thread of a nested call
+        if n_jobs < 0:
+            n_jobs = max(loky.cpu_count() + 1 + n_jobs, 1)
+        return n_jobs
+
+    def configure(
+        self,
+        n_jobs=1,
+        parallel=None,
+        prefer=None,
+        require=None,
+        max_nbytes="1M",
+        mmap_mode="r",
+        temp_folder=None,
+        verbose=0,
+        idle_worker_timeout=None,
+        **unused,
+    ) -> int:
+        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
+        n_jobs = self.effective_n_jobs(n_jobs)
+        if n_jobs == 1:
+            raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        if verbose:
+            enable_logging()
+        self.parallel = parallel
+        self._n_jobs = n_jobs
+        self._timeout = idle_worker_timeout or self.idle_worker_timeout
+        self._executor = self._get_executor()
+        if self._session is not None:
+            self._session.close()
+        self._session = Session(settings)
+        return n_jobs
+
+    def _get_executor(self):
+        env = self._prepare_worker_env(n_jobs=self._n_jobs)
+        env.setdefault(_LEAK_VARIABLE, os.environ.get(_LEAK_VARIABLE, _NO_LEAK_LIMIT))
+        return loky.get_reusable_executor(self._n_jobs, timeout=self._timeout, env=env)
+
+    def start_call(self) -> None:
+        if self._session is not None:
+            self._session.new_generation()
+
+    def submit(self, func, callback=None):
+        session = self._session
+        task = session.pack_task(func)
+        future = self._executor.submit(run_task, task)
+        future.memshare_session = session
+        token = task.token
+
+        def release_then_report(done):
+            # An infrastructure failure (dead worker, shutdown) brings no
+            # outcome back: release the task's files here.
+            if done.cancelled() or done.exception() is not None:
+                session.task_done(token)
+            if callback is not None:
+                callback(done)
+
+        future.add_done_callback(release_then_report)
+        return future
+
+    def retrieve_result_callback(self, future):
+        try:
+            outcome = future.result()
+        except TerminatedWorkerError as exc:
+            raise WorkerDiedError(_explain_terminated(exc)) from exc
+        except ShutdownExecutorError:
+            raise RuntimeError(
+                "memshare: the executor was shut down while this call was running "
+                "(an earlier generator call may have been garbage-collected unfinished)"
+            ) from None
+        ok, value = future.memshare_session.finish(outcome)
+        if not ok:
+            raise value
+        return value
+
+    def terminate(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        self._executor = None
+        self.reset_batch_stats()
+
+    def abort_everything(self, ensure_ready=True) -> None:
+        """Stop the call's remaining tasks by killing the workers, as joblib's loky backend does."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, kill_workers=True)
+        self._executor = None
+        if ensure_ready:
+            self._executor = self._get_executor()
+
+    @property
+    def temp_folder(self) -> Optional[str]:
+        """The current call's folder in shared memory, if a call is running."""
+        return None if self._session is None else self._session.folder.pair.primary
+
+
+def _explain_terminated(exc: BaseException) -> str:
+    text = str(exc)
+    codes = [int(code) for code in _exit_codes(text)]
+    details = "; ".join(f"a worker {describe_exit(code)}" for code in sorted(set(codes))) or "a worker died"
+    return f"memshare: {details}. The call's temporary files have been removed.\n{text}"
+
+
+def _exit_codes(text: str):
+    return re.findall(r"\((-?\d+)\)", text)
+
+
+_register_lock = threading.Lock()
+
+
+def register_backend(make_default: bool = False) -> None:
+    """Register the ``"memshare"`` backend with joblib (done on ``import memshare``).
+
+    With ``make_default=True`` every joblib ``Parallel`` of the process,
+    including scikit-learn's ``n_jobs``, uses it unless told otherwise.
+    """
+    with _register_lock:
+        joblib.register_parallel_backend(BACKEND_NAME, MemshareBackend, make_default=make_default)

@@ -1,0 +1,41 @@
+from setuptools import find_packages, setup
+
+with open("README.md", encoding="utf-8") as readme:
+    long_description = readme.read()
+
+setup(
+    name="memshare",
+    version="0.1.0",
+    description="Share large NumPy arrays with parallel workers through shared memory instead of copies",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["memshare", "memshare.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "numpy>=1.21",
+        "joblib>=1.3",
+        "loky>=3.4",
+        "cloudpickle>=2.0",
+        "psutil>=5.8",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "hypothesis>=6",
+            "scikit-learn>=1.2",
+            "pandas>=1.5",
+            "scipy>=1.9",
+            "dask[distributed]>=2023.1",
+            "ruff>=0.5",
+        ],
+        "bench": ["matplotlib>=3.5", "scikit-learn>=1.2"],
+    },
+    entry_points={"console_scripts": ["memshare=memshare.__main__:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+        "License :: OSI Approved :: BSD License",
+    ],
+)
