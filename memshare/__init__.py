@@ -7,10 +7,11 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 :func:`last_call_stats`.
 """
 
+from ._errors import WorkerDiedError
 from ._folders import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._stats import last_call_stats
 from ._worker import RemoteTraceback, UnpicklableResultError
-from ._errors import WorkerDiedError
+from .arrays import empty, full, is_shared, share, zeros
 from .backend import MemshareBackend, register_backend
 from .parallel import Parallel, delayed
 from .pool import MemmapingPool, MemmappingPool
@@ -31,6 +32,11 @@ __all__ = [
     "WorkerDiedError",
     "__version__",
     "delayed",
+    "empty",
+    "full",
+    "is_shared",
     "last_call_stats",
     "register_backend",
+    "share",
+    "zeros",
 ]

@@ -74,9 +74,7 @@ def check_temp_folder(value: object) -> Optional[str]:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(
-            f"temp_folder={value!r} must be a path (str or os.PathLike) or None for the default."
-        )
+        raise TypeError(f"temp_folder={value!r} must be a path (str or os.PathLike) or None for the default.")
     return os.path.abspath(os.fspath(value))
 
 
@@ -98,7 +96,7 @@ class Settings:
         max_nbytes: Union[int, str, None] = "1M",
         mmap_mode: str = "r",
         temp_folder: Optional[str] = None,
-    ) -> "Settings":
+    ) -> Settings:
         """Validate user arguments; raise a clear error for any bad one."""
         return cls(
             max_nbytes=parse_max_nbytes(max_nbytes),

@@ -23,9 +23,9 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import secrets
 import shutil
 import stat
-import secrets
 import tempfile
 import threading
 import warnings

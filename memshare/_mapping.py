@@ -49,9 +49,7 @@ def map_file(ref: ArrayRef) -> np.memmap:
 
 def view_of(base: np.memmap, ref: ArrayRef) -> np.memmap:
     """The array ``ref`` describes, as a view of ``base`` (no copy)."""
-    view = np.ndarray.__new__(
-        np.memmap, ref.shape, ref.dtype, buffer=base, offset=ref.offset, strides=ref.strides
-    )
+    view = np.ndarray.__new__(np.memmap, ref.shape, ref.dtype, buffer=base, offset=ref.offset, strides=ref.strides)
     # Constructing from a buffer does not link the view to its memmap; this
     # public hook copies filename/mode and keeps slices of the view memmaps.
     view.__array_finalize__(base)

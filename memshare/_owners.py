@@ -60,7 +60,7 @@ class Owner:
     namespace: int
 
     @classmethod
-    def current(cls) -> "Owner":
+    def current(cls) -> Owner:
         pid = os.getpid()
         return cls(pid, process_start_time(pid) or 0, pid_namespace())
 

@@ -260,4 +260,3 @@ class Session:
 def _raw(contiguous: np.ndarray) -> np.ndarray:
     raw = contiguous.reshape(-1).view(np.uint8)
     return raw.view(np.uint64) if raw.size % 8 == 0 else raw
-

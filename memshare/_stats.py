@@ -69,7 +69,9 @@ def describe(array: np.ndarray) -> str:
     return f"array shape={tuple(array.shape)} dtype={array.dtype} size={_mib(array.nbytes)}"
 
 
-def log_decision(decision: str, array: np.ndarray, where: Optional[str] = None, seconds: Optional[float] = None) -> None:
+def log_decision(
+    decision: str, array: np.ndarray, where: Optional[str] = None, seconds: Optional[float] = None
+) -> None:
     if not logger.isEnabledFor(logging.DEBUG):
         return
     text = f"{decision} {describe(array)}"

@@ -116,5 +116,3 @@ def watch_parent(interval: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=_watch, name="memshare-parent-watch", daemon=True).start()
-
-

@@ -81,7 +81,9 @@ class MemmappingPool(Pool):
         temp_folder: Optional[str] = None,
     ) -> None:
         if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
-            raise ValueError(f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs")
+            raise ValueError(
+                f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs"
+            )
         settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
         self._session = Session(settings)  # before Pool.__init__: _setup_queues uses it
         self._stopping = False
