@@ -56,6 +56,14 @@ def view_of(base: np.memmap, ref: ArrayRef) -> np.memmap:
     return view
 
 
+def _end_of(ref: ArrayRef) -> int:
+    """One past the last byte of the file that ``ref``'s elements occupy."""
+    if not ref.shape or min(ref.shape) > 0:
+        reach = sum((n - 1) * s for n, s in zip(ref.shape, ref.strides) if s > 0)
+        return ref.offset + reach + ref.dtype.itemsize
+    return ref.offset
+
+
 class MappingCache:
     """Mappings of shared files kept open in this process, thread-safe."""
 
@@ -70,10 +78,11 @@ class MappingCache:
         key = (ref.path, ref.device, ref.inode, ref.mode)
         with self._lock:
             base = self._bases.get(key)
-        if base is None:
+        if base is None or len(base) < _end_of(ref):
+            # New, or a user file that grew since it was mapped (same inode).
             base = map_file(ref)
             with self._lock:
-                base = self._bases.setdefault(key, base)
+                self._bases[key] = base
                 self._start_pruner()
         return view_of(base, ref)
 

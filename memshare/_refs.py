@@ -73,11 +73,13 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
 
     Covers ``np.memmap`` and its views at any depth (found through the
     public ``filename``/``offset`` of the memmap that owns the mapping) and,
-    on Linux, arrays over a raw ``mmap.mmap`` of a file (found through
+    on Linux, arrays over a raw ``mmap.mmap`` of a file, directly or through a
+    ``memoryview`` as ``multiprocessing.shared_memory`` gives (found through
     ``/proc/self/maps``). Returns None for ordinary memory.
     """
     root = _root(array)
-    if not isinstance(root.base, mmap.mmap):
+    owner = root.base.obj if isinstance(root.base, memoryview) else root.base
+    if not isinstance(owner, mmap.mmap):
         return None
     if isinstance(root, np.memmap) and getattr(root, "filename", None):
         path, root_offset = root.filename, int(root.offset)

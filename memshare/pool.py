@@ -96,6 +96,12 @@ class MemmappingPool(Pool):
         self._monitor = threading.Thread(target=self._watch_workers, name="memshare-pool-monitor", daemon=True)
         self._monitor.start()
 
+    def __del__(self) -> None:
+        # Pool.__del__ reads attributes that do not exist when __init__
+        # rejected its arguments before the pool was set up.
+        if "_state" in self.__dict__:
+            super().__del__()
+
     # -- task submission ---------------------------------------------------------
 
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (Pool's signature)

@@ -1,0 +1,219 @@
+"""``python -m memshare doctor``: can memshare share arrays well on this machine?
+
+The usual ways memshare ends up slow or short of room are environmental: a
+container with Docker's default 64 MiB ``/dev/shm``, a tmpfs filled by someone
+else's leftovers, or folders left behind by owners that were killed together
+with their watchdog. This module gathers the facts that decide those cases,
+prints them, and ends with a verdict: one ``OK:`` line, or one ``PROBLEM:``
+line per problem saying what to do about it. The exit status is non-zero when
+there is a problem, so the check can gate a CI job or a container start.
+
+It only reads: it never creates, changes or removes anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+from ._folders import SHM_ROOT, candidate_bases, default_base, fallback_base, folder_size, free_bytes, list_folders
+from ._owners import pid_namespace
+
+GIB = 1024**3
+#: Below this, shared memory is too small for typical workloads; Docker's 64 MiB default is far below it.
+MIN_SHM_BYTES = GIB
+#: Shared memory with less than this fraction free is reported as nearly full.
+NEARLY_FULL_FRACTION = 0.10
+#: cgroup limits at or above this mean "no limit" (v1 reports about 2**63 when unlimited).
+_NO_LIMIT_BYTES = 2**60
+CGROUP_V2_MAX = "/sys/fs/cgroup/memory.max"
+CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+SHM_SIZE_ADVICE = (
+    "docker run --shm-size=2g ... (docker compose: shm_size: 2gb; Kubernetes: mount an emptyDir volume "
+    "with medium: Memory at /dev/shm)"
+)
+
+
+def human_bytes(nbytes: Optional[float]) -> str:
+    """``nbytes`` in binary units, e.g. ``64.0 MiB``; ``unknown`` for None."""
+    if nbytes is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+@dataclass
+class Verdict:
+    """What the checks found: problems make the doctor exit non-zero, notes do not."""
+
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def memory_limit() -> Tuple[Optional[int], str]:
+    """The container's memory limit in bytes (None for none), and where it was read."""
+    for path, version in ((CGROUP_V2_MAX, "cgroup v2"), (CGROUP_V1_LIMIT, "cgroup v1")):
+        try:
+            with open(path, encoding="ascii") as limit_file:
+                text = limit_file.read().strip()
+        except (OSError, ValueError):
+            continue
+        if text == "max":
+            return None, f"none ({version} {path}: max)"
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        if value >= _NO_LIMIT_BYTES or value >= _physical_memory():
+            return None, f"none ({version} {path}: {value}, not below the machine's RAM)"
+        return value, f"{version} {path}"
+    return None, "none found (no cgroup memory controller visible)"
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return _NO_LIMIT_BYTES
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path``, from /proc/self/mounts."""
+    best, best_type = "", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, best_type = point, parts[2]
+    except OSError:
+        pass
+    return best_type
+
+
+def _version(module_name: str) -> str:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # not installed, or broken: either is worth showing
+        return f"not importable ({type(exc).__name__})"
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], None], verdict: Verdict) -> None:
+    """Report on the shared memory location ``shm`` and judge its size and free space."""
+    threshold = max(MIN_SHM_BYTES, 2 * need)
+    if not os.path.isdir(shm):
+        say("  missing")
+        verdict.problems.append(
+            f"{shm} does not exist, so arrays go to the disk temp folder, which is slow. Provide a RAM-backed "
+            f"{shm} ({SHM_SIZE_ADVICE}) or set MEMSHARE_TEMP_FOLDER to a tmpfs folder."
+        )
+        return
+    try:
+        st = os.statvfs(shm)
+    except OSError as exc:
+        say(f"  cannot be inspected: {exc}")
+        verdict.problems.append(f"{shm} cannot be inspected ({exc}); check its permissions and mount.")
+        return
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    fs_type = _fs_type(shm)
+    say(f"  file system: {fs_type}")
+    say(f"  size: {human_bytes(size)}, free: {human_bytes(free)}")
+    if not os.access(shm, os.W_OK | os.X_OK):
+        verdict.problems.append(
+            f"{shm} is not writable by this user, so arrays go to disk. Fix its permissions (it should be "
+            "mode 1777, like /tmp) or set MEMSHARE_TEMP_FOLDER to a writable tmpfs folder."
+        )
+    if fs_type not in ("tmpfs", "ramfs", "unknown"):
+        verdict.notes.append(f"{shm} is on {fs_type}, not tmpfs: files there may be written to disk.")
+    if size < threshold:
+        why = f"2x the {human_bytes(need)} given with --need" if 2 * need > MIN_SHM_BYTES else "the 1 GiB minimum"
+        verdict.problems.append(
+            f"{shm} is only {human_bytes(size)}, below {why} (Docker's default is 64 MiB); arrays that do not fit "
+            f"go to disk, which is slower. Give it at least {human_bytes(threshold)}: {SHM_SIZE_ADVICE}."
+        )
+    elif free < NEARLY_FULL_FRACTION * size or free < 2 * need:
+        verdict.problems.append(
+            f"{shm} is nearly full ({human_bytes(free)} free of {human_bytes(size)}). Remove leftovers with "
+            f"`python -m memshare clean`, and see what else fills it with `du -sh {shm}/*`."
+        )
+    if limit is not None and limit < size:
+        verdict.notes.append(
+            f"files in {shm} count against the container memory limit of {human_bytes(limit)}, "
+            "so that is the real room for shared arrays plus everything else."
+        )
+
+
+def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> None:
+    """List memshare folders in every place they may be, and judge the dead owners' ones."""
+    bases = candidate_bases() | {shm}
+    folders = list_folders(bases)
+    if not folders:
+        say(f"  none (looked in {', '.join(sorted(bases))})")
+    dead_count, dead_bytes, namespace = 0, 0, pid_namespace()
+    for path, owner in folders:
+        size = folder_size(path)
+        if owner.namespace != namespace:
+            status = "owner in another pid namespace (kept)"
+        elif owner.is_alive():
+            status = "owner alive"
+        else:
+            status = "owner dead"
+            dead_count += 1
+            dead_bytes += size
+        say(f"  {path}: pid {owner.pid}, {status}, {human_bytes(size)}")
+    if dead_count:
+        option = "" if shm == SHM_ROOT else f" --shm {shm}"
+        verdict.problems.append(
+            f"{dead_count} folder(s) of dead owners hold {human_bytes(dead_bytes)}. "
+            f"Remove them with `python -m memshare clean{option}`."
+        )
+
+
+def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = print) -> int:
+    """Print the report and verdict through ``say``; return 0 when healthy, 1 otherwise."""
+    verdict = Verdict()
+    primary, reason = default_base()
+    fallback = fallback_base(primary)
+    say("Where memshare puts files")
+    say(f"  primary:  {primary} (because {reason}), {human_bytes(free_bytes(primary))} free")
+    if fallback:
+        say(f"  fallback: {fallback} (on disk, used per array when the primary is full), {human_bytes(free_bytes(fallback))} free")
+    else:
+        say("  fallback: none (the system temp dir is on the same file system as the primary)")
+
+    limit, limit_source = memory_limit()
+    say(f"Shared memory at {shm}")
+    _check_shm(shm, need, limit, say, verdict)
+    say(f"  container memory limit: {human_bytes(limit) + ' (' + limit_source + ')' if limit else limit_source}")
+
+    say("memshare folders")
+    _check_folders(shm, say, verdict)
+
+    say("Versions")
+    say(f"  python {platform.python_version()} ({platform.python_implementation()}), {platform.platform()}")
+    for name in ("numpy", "joblib", "loky", "memshare"):
+        say(f"  {name} {_version(name)}")
+    say(f"  multiprocessing default start method: {multiprocessing.get_start_method()}")
+
+    say("Verdict")
+    for note in verdict.notes:
+        say(f"NOTE: {note}")
+    for problem in verdict.problems:
+        say(f"PROBLEM: {problem}")
+    if verdict.problems:
+        return 1
+    say(f"OK: memshare can share arrays through {primary}; no leftovers of dead owners.")
+    return 0

@@ -1,0 +1,49 @@
+"""Shared fixtures: an isolated temp location per test, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    """Point memshare at a private folder so tests can inspect what it creates."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(base))
+    return base
+
+
+def memshare_entries(base) -> list:
+    """Every memshare folder under ``base`` with the files inside it."""
+    found = []
+    for entry in sorted(os.listdir(base)):
+        if entry.startswith("memshare-"):
+            path = os.path.join(base, entry)
+            found.append((entry, sorted(os.listdir(path)) if os.path.isdir(path) else None))
+    return found
+
+
+def files_under(base) -> list:
+    return [f for _, files in memshare_entries(base) for f in (files or [])]
+
+
+def run_script(code: str, timeout: float = 120, env=None, check=True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; return the completed process."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"script failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
