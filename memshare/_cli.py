@@ -28,7 +28,9 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, with one subcommand per task."""
-    parser = argparse.ArgumentParser(prog="python -m memshare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m memshare", description="Check, clean and benchmark memshare's shared memory."
+    )
     commands = parser.add_subparsers(dest="command", metavar="{doctor,clean,bench}")
     commands.required = True
     shm_help = f"the shared memory location to check and search for folders (default {SHM_ROOT})"

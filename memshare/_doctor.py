@@ -32,10 +32,15 @@ NEARLY_FULL_FRACTION = 0.10
 _NO_LIMIT_BYTES = 2**60
 CGROUP_V2_MAX = "/sys/fs/cgroup/memory.max"
 CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
-SHM_SIZE_ADVICE = (
-    "docker run --shm-size=2g ... (docker compose: shm_size: 2gb; Kubernetes: mount an emptyDir volume "
-    "with medium: Memory at /dev/shm)"
-)
+
+
+def shm_size_advice(nbytes: int) -> str:
+    """How to give a container's /dev/shm at least ``nbytes`` (and never less than 2 GiB)."""
+    gib = max(2, -(-nbytes // GIB))
+    return (
+        f"docker run --shm-size={gib}g ... (docker compose: shm_size: {gib}gb; Kubernetes: mount an emptyDir "
+        f"volume with medium: Memory and sizeLimit: {gib}Gi at /dev/shm)"
+    )
 
 
 def human_bytes(nbytes: Optional[float]) -> str:
@@ -118,7 +123,7 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
         say("  missing")
         verdict.problems.append(
             f"{shm} does not exist, so arrays go to the disk temp folder, which is slow. Provide a RAM-backed "
-            f"{shm} ({SHM_SIZE_ADVICE}) or set MEMSHARE_TEMP_FOLDER to a tmpfs folder."
+            f"{shm} ({shm_size_advice(threshold)}) or set MEMSHARE_TEMP_FOLDER to a tmpfs folder."
         )
         return
     try:
@@ -140,9 +145,10 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
         verdict.notes.append(f"{shm} is on {fs_type}, not tmpfs: files there may be written to disk.")
     if size < threshold:
         why = f"2x the {human_bytes(need)} given with --need" if 2 * need > MIN_SHM_BYTES else "the 1 GiB minimum"
+        docker = " (Docker's default is 64 MiB)" if size < MIN_SHM_BYTES else ""
         verdict.problems.append(
-            f"{shm} is only {human_bytes(size)}, below {why} (Docker's default is 64 MiB); arrays that do not fit "
-            f"go to disk, which is slower. Give it at least {human_bytes(threshold)}: {SHM_SIZE_ADVICE}."
+            f"{shm} is only {human_bytes(size)}{docker}, below {why}; arrays that do not fit go to disk, which is "
+            f"slower. Give it at least {human_bytes(threshold)}: {shm_size_advice(threshold)}."
         )
     elif free < NEARLY_FULL_FRACTION * size or free < 2 * need:
         verdict.problems.append(
@@ -190,7 +196,8 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     say("Where memshare puts files")
     say(f"  primary:  {primary} (because {reason}), {human_bytes(free_bytes(primary))} free")
     if fallback:
-        say(f"  fallback: {fallback} (on disk, used per array when the primary is full), {human_bytes(free_bytes(fallback))} free")
+        fallback_free = human_bytes(free_bytes(fallback))
+        say(f"  fallback: {fallback} (on disk, used per array when the primary is full), {fallback_free} free")
     else:
         say("  fallback: none (the system temp dir is on the same file system as the primary)")
 
