@@ -18,11 +18,19 @@ Staleness
     the same array many times in a row costs nothing.
 
 Early deletion
-    Every task records the files it references. A file is deleted as soon
-    as no pending task references it, unless it is *shared*: used by two or
-    more tasks so far, and its array still alive. Shared files stay until the
-    session closes; so a call over many distinct arrays keeps only what is in
-    flight, while an array used by every task is written once.
+    Every task records the files it references. When no pending task
+    references a file any more:
+
+    * if its array was garbage-collected, the file is deleted at once;
+    * if the array was used by two or more tasks, it is *shared*: the file
+      stays until the session closes, so an array used by every task is
+      written once;
+    * otherwise the file becomes *idle*. Idle files are deleted, oldest
+      first, whenever a new dump would make them outweigh the files pending
+      tasks still use; an idle file that is used again is revived for free.
+
+    So a call over many distinct arrays keeps about twice what is in flight,
+    not everything it ever dumped.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -72,6 +81,7 @@ class Session:
         self._by_id: Dict[int, _Dump] = {}
         self._by_path: Dict[str, _Dump] = {}
         self._task_files: Dict[int, List[str]] = {}
+        self._idle: "OrderedDict[str, _Dump]" = OrderedDict()
         self._tokens = itertools.count(1)
         self._generation = 0
         self._packing: Optional[List[str]] = None  # files of the task being packed
@@ -154,6 +164,7 @@ class Session:
             entry.source = weakref.ref(array, lambda _, key=key: self._forget(key))
             self._by_id[key] = entry
         if entry.ref is None:
+            self._evict_idle(limit=self._pending_bytes())
             ref, seconds = dump_array(self.folder.pair, array, DUMP, self._worker_mode())
             entry.ref, entry.generation = ref, self._generation
             self._by_path[ref.path] = entry
@@ -168,6 +179,8 @@ class Session:
         return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode
 
     def _use(self, entry: _Dump) -> None:
+        if entry.ref is not None:
+            self._idle.pop(entry.ref.path, None)
         entry.uses += 1
         entry.pending += 1
         if self._packing is not None:
@@ -208,10 +221,21 @@ class Session:
             if entry.pending > 0:
                 continue
             alive = entry.source is not None and entry.source() is not None
-            if not alive or entry.uses < 2:
-                # A dead array's entry already left _by_id (see _forget); a live
-                # single-use array keeps its entry, so a second use marks it shared.
-                self._delete_file(entry)
+            if not alive:
+                self._delete_file(entry)  # its entry already left _by_id (_forget)
+            elif entry.uses < 2:
+                self._idle[path] = entry
+
+    def _pending_bytes(self) -> int:
+        return sum(e.ref.nbytes for e in self._by_path.values() if e.pending > 0)
+
+    def _evict_idle(self, limit: int) -> None:
+        """Delete idle files, oldest first, until they weigh at most ``limit``."""
+        idle_bytes = sum(e.ref.nbytes for e in self._idle.values())
+        while self._idle and idle_bytes > limit:
+            _, entry = self._idle.popitem(last=False)
+            idle_bytes -= entry.ref.nbytes
+            self._delete_file(entry)  # the entry stays: a later use is then "shared"
 
     def _forget(self, key: int) -> None:
         """Weakref callback: the array behind ``key`` was garbage-collected."""
@@ -227,6 +251,7 @@ class Session:
         if entry.ref is None:
             return
         self._by_path.pop(entry.ref.path, None)
+        self._idle.pop(entry.ref.path, None)
         entry.parent_view = None
         try:
             os.unlink(entry.ref.path)
@@ -252,6 +277,7 @@ class Session:
                 entry.parent_view = None
             self._by_id.clear()
             self._by_path.clear()
+            self._idle.clear()
             self._task_files.clear()
         self.folder.remove()
         record_finished(self.stats)

@@ -1,0 +1,356 @@
+"""Run workloads x contenders with repeats and report medians, ranges, peak memory and ratios.
+
+Contenders are interleaved within each repeat (and their order rotated from
+one repeat to the next) because the machines this runs on are shared and
+noisy: a slow minute then hurts every contender alike, and the ratio
+memshare/joblib from the same run is the figure to trust, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from .memory import MemorySampler
+from .workloads import CONTENDERS, PICKLING, make_workloads
+
+GiB = 1 << 30
+MiB = 1 << 20
+QUICK_SIZE = 8 * MiB
+DEFAULT_WORKLOADS = "abcdefgh"
+STAT_KEYS = ("bytes_dumped", "dump_seconds", "arrays_referenced", "results_by_reference", "arrays_pickled")
+
+
+def parse_size(text: str) -> int:
+    """``"256M"``, ``"1G"``, ``"1.5GiB"``, ``"1000000"`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 256M, 1G)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[unit])
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes as MiB or GiB, for tables."""
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / MiB:.0f} MiB"
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def default_size() -> int:
+    """min(1 GiB, 1/16 of RAM, 1/4 of free /dev/shm): large enough to matter, small enough to be safe."""
+    candidates = [GiB, _meminfo("MemTotal") // 16]
+    if os.path.isdir("/dev/shm"):
+        candidates.append(shutil.disk_usage("/dev/shm").free // 4)
+    return max(MiB, min(candidates))
+
+
+def machine_description(argv: Sequence[str]) -> List[str]:
+    """Lines describing the machine, versions, date and command line, for the report header."""
+    import joblib
+    import loky
+    import numpy
+
+    import memshare
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else 0
+    command = " ".join(shlex.quote(a) for a in argv)
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} cores",
+        f"- RAM: {format_size(_meminfo('MemTotal'))}, /dev/shm: {format_size(shm)}",
+        f"- Python {platform.python_version()}, numpy {numpy.__version__}, joblib {joblib.__version__}, "
+        f"loky {loky.__version__}, memshare {memshare.__version__}",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"- Command: `{command}`",
+    ]
+
+
+@dataclass
+class Measurement:
+    """One timed run of one workload by one contender."""
+
+    workload: str
+    contender: str
+    n_jobs: int
+    seconds: float
+    peak_extra_bytes: int
+    correct: bool
+    stats: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """All measurements of a benchmark run, plus the notes (skips, failures) met on the way."""
+
+    size: int
+    n_jobs: int
+    repeats: int
+    measurements: List[Measurement] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    titles: Dict[str, str] = field(default_factory=dict)
+
+
+def _time_one(run) -> tuple:
+    gc.collect()
+    with MemorySampler(os.getpid()) as sampler:
+        start = time.perf_counter()
+        result = run()
+        seconds = time.perf_counter() - start
+    return result, seconds, sampler.peak_extra_bytes
+
+
+def run_benchmark(
+    workloads: str = DEFAULT_WORKLOADS,
+    contenders: Sequence[str] = CONTENDERS,
+    size: Optional[int] = None,
+    repeats: int = 3,
+    n_jobs: int = 2,
+    quick: bool = False,
+    pickle_budget: int = 4 * GiB,
+    progress: bool = True,
+) -> Report:
+    """Run the chosen workloads (keys ``a``-``h``) for each contender ``repeats`` times, interleaved."""
+    from tqdm import tqdm
+
+    import memshare
+
+    size = size or (QUICK_SIZE if quick else default_size())
+    report = Report(size=size, n_jobs=n_jobs, repeats=repeats)
+    all_workloads = make_workloads()
+    chosen = [all_workloads[k] for k in workloads if k in all_workloads]
+    unknown = [k for k in workloads if k not in all_workloads and k not in ", "]
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}: choose among {''.join(all_workloads)}")
+
+    plans = []
+    for workload in chosen:
+        report.titles[workload.key] = workload.title
+        reason = workload.skip_reason()
+        if reason:
+            report.notes.append(f"({workload.key}) skipped: {reason}")
+            print(f"note: workload ({workload.key}) skipped: {reason}", file=sys.stderr)
+            continue
+        names = [c for c in workload.contenders if c in contenders]
+        jobs_values = workload.n_jobs_values or (n_jobs,)
+        if quick:
+            jobs_values = tuple(j for j in jobs_values if j <= 2) or (1,)
+        plans.append((workload, names, jobs_values))
+    total = sum(len(names) * len(jv) * repeats for _, names, jv in plans)
+
+    bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="run")
+    try:
+        for workload, names, jobs_values in plans:
+            bar.set_description(f"({workload.key}) preparing")
+            data = workload.prepare(size, quick)
+            expected = workload.expected(data)
+            pickled = workload.pickled_bytes(data)
+            for jobs in jobs_values:
+                active = list(names)
+                for name in PICKLING:
+                    if name in active and pickled > pickle_budget:
+                        active.remove(name)
+                        bar.update(repeats)
+                        report.notes.append(
+                            f"({workload.key}) {name} skipped: it would pickle {format_size(pickled)} per call "
+                            f"(budget {format_size(pickle_budget)})"
+                        )
+                for repeat in range(repeats):
+                    shift = repeat % len(active)
+                    for name in active[shift:] + active[:shift]:
+                        bar.set_description(f"({workload.key}) {name} n_jobs={jobs} #{repeat + 1}")
+                        with workload.session(data, name, jobs if name != "serial" else 1) as run:
+                            result, seconds, peak = _time_one(run)
+                        correct = workload.check(result, expected)
+                        del result
+                        if not correct:
+                            report.notes.append(f"({workload.key}) {name} n_jobs={jobs}: WRONG RESULT")
+                        stats = {}
+                        if name == "memshare":
+                            stats = {k: v for k, v in memshare.last_call_stats().items() if k in STAT_KEYS}
+                        report.measurements.append(
+                            Measurement(workload.key, name, jobs, seconds, peak, correct, stats)
+                        )
+                        bar.update(1)
+            del data, expected
+    finally:
+        bar.close()
+    return report
+
+
+def _groups(report: Report) -> Dict[tuple, List[Measurement]]:
+    groups: Dict[tuple, List[Measurement]] = {}
+    for m in report.measurements:
+        groups.setdefault((m.workload, m.n_jobs, m.contender), []).append(m)
+    return groups
+
+
+def summarize(report: Report) -> List[Dict[str, Any]]:
+    """One row per (workload, n_jobs, contender): medians, ranges and ratios against joblib."""
+    groups = _groups(report)
+    medians = {key: statistics.median(m.seconds for m in ms) for key, ms in groups.items()}
+    memories = {key: statistics.median(m.peak_extra_bytes for m in ms) for key, ms in groups.items()}
+    rows = []
+    for key, ms in groups.items():
+        workload, jobs, contender = key
+        ref = (workload, jobs, "joblib")
+        rows.append(
+            {
+                "workload": workload,
+                "n_jobs": jobs,
+                "contender": contender,
+                "median": medians[key],
+                "min": min(m.seconds for m in ms),
+                "max": max(m.seconds for m in ms),
+                "memory": memories[key],
+                "time_ratio": medians[key] / medians[ref] if ref in medians and medians[ref] > 0 else None,
+                "memory_ratio": memories[key] / memories[ref] if ref in memories and memories[ref] > 0 else None,
+                "correct": all(m.correct for m in ms),
+                "stats": ms[-1].stats,
+            }
+        )
+    order = {c: i for i, c in enumerate(CONTENDERS)}
+    rows.sort(key=lambda r: (r["workload"], r["n_jobs"], order.get(r["contender"], 99)))
+    return rows
+
+
+def markdown_table(report: Report) -> str:
+    """The results as markdown: a table, the workload legend, memshare's figures and the notes."""
+    rows = summarize(report)
+    lines = [
+        f"Array size {format_size(report.size)}, n_jobs={report.n_jobs} (sweep: as listed), "
+        f"{report.repeats} repeat(s), contenders interleaved. Memory: peak extra RssAnon of the process tree "
+        "+ machine Shmem (median over repeats). Ratios: this contender / joblib (< 1 is better).",
+        "",
+        "| workload | contender | n_jobs | median time | min-max | peak extra memory | time / joblib "
+        "| memory / joblib | correct |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tr = f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "-"
+        mr = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] is not None else "-"
+        lines.append(
+            f"| ({r['workload']}) | {r['contender']} | {r['n_jobs']} | {r['median']:.3f} s "
+            f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {tr} | {mr} "
+            f"| {'yes' if r['correct'] else '**NO**'} |"
+        )
+    lines += ["", "Workloads:", ""]
+    lines += [f"- ({k}) {t}" for k, t in report.titles.items()]
+    stats_rows = [r for r in rows if r["contender"] == "memshare" and r["stats"]]
+    if stats_rows:
+        lines += ["", "memshare.last_call_stats() after the last repeat:", ""]
+        for r in stats_rows:
+            figures = ", ".join(
+                f"{k}={format_size(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
+                for k, v in r["stats"].items()
+            )
+            lines.append(f"- ({r['workload']}) n_jobs={r['n_jobs']}: {figures}")
+    if report.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(report: Report, path: str) -> bool:
+    """PNG of time and peak memory against n_jobs (workload h); False if there is no sweep to plot."""
+    rows = [r for r in summarize(report) if r["workload"] == "h"]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for contender in sorted({r["contender"] for r in rows}):
+        mine = sorted((r for r in rows if r["contender"] == contender), key=lambda r: r["n_jobs"])
+        jobs = [r["n_jobs"] for r in mine]
+        ax_time.plot(jobs, [r["median"] for r in mine], marker="o", label=contender)
+        ax_mem.plot(jobs, [r["memory"] / MiB for r in mine], marker="o", label=contender)
+    ax_time.set(xlabel="n_jobs", ylabel="median time (s)", title="time, workload (a)")
+    ax_mem.set(xlabel="n_jobs", ylabel="peak extra memory (MiB)", title="memory, workload (a)")
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.suptitle(f"n_jobs sweep, array of {format_size(report.size)}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def build_parser(prog: str = "benchmarks.run") -> argparse.ArgumentParser:
+    """Command-line options shared by ``python -m benchmarks.run`` and ``python -m memshare bench``."""
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmark memshare against joblib and others.")
+    parser.add_argument("--size", type=parse_size, default=None, help="array size, e.g. 256M or 1G")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (for tests)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 3, quick 1)")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="workload keys, e.g. abcd (default all)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated contenders")
+    parser.add_argument("--n-jobs", type=int, default=2, help="workers (default 2)")
+    parser.add_argument("--pickle-budget", type=parse_size, default=4 * GiB, help="skip pickling beyond this")
+    parser.add_argument("--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h)")
+    parser.add_argument("--output", metavar="FILE", help="write the markdown report with a machine header")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks.run", command: Optional[str] = None) -> int:
+    """Parse options, run, print the table, write the report and plot. Returns the exit code."""
+    args = build_parser(prog).parse_args(argv)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    bad = [c for c in contenders if c not in CONTENDERS]
+    if bad:
+        print(f"unknown contenders {bad}; choose among {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (1 if args.quick else 3)
+    try:
+        report = run_benchmark(
+            args.workloads,
+            contenders,
+            size=args.size,
+            repeats=repeats,
+            n_jobs=args.n_jobs,
+            quick=args.quick,
+            pickle_budget=args.pickle_budget,
+            progress=not args.no_progress,
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    table = markdown_table(report)
+    print(table)
+    if args.output:
+        argv_used = [command or prog] + list(sys.argv[1:] if argv is None else argv)
+        header = ["# memshare benchmark results", "", "Machine (shared and noisy: compare ratios, not times):", ""]
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write("\n".join(header + machine_description(argv_used)) + "\n\n" + table)
+    if args.plot and not plot_sweep(report, args.plot):
+        print("note: --plot needs workload h (the n_jobs sweep); no plot written", file=sys.stderr)
+    wrong = [m for m in report.measurements if not m.correct]
+    return 1 if wrong else 0

@@ -1,0 +1,157 @@
+"""The command line, run as users run it: ``python -m memshare ...`` in a subprocess.
+
+Leftover folders are made in a pytest tmp dir that the CLI is pointed at with
+MEMSHARE_TEMP_FOLDER, so the tests never depend on, or plant anything in, the
+machine's real /dev/shm.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from memshare._owners import Owner, new_folder_name, pid_namespace
+
+MIB = 1024 * 1024
+
+
+def run_cli(*args: str, base=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("JOBLIB_TEMP_FOLDER", None)
+    env.pop("MEMSHARE_TEMP_FOLDER", None)
+    if base is not None:
+        env["MEMSHARE_TEMP_FOLDER"] = str(base)
+    return subprocess.run(
+        [sys.executable, "-m", "memshare", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def dead_owner() -> Owner:
+    """An owner in our pid namespace whose process has exited and been reaped."""
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()
+    return Owner(child.pid, 12345, pid_namespace())
+
+
+def make_folder(base, owner: Owner, nbytes: int = MIB) -> str:
+    path = os.path.join(str(base), new_folder_name(owner))
+    os.makedirs(path, mode=0o700)
+    with open(os.path.join(path, "array-0.bin"), "wb") as data:
+        data.write(b"\1" * nbytes)
+    return path
+
+
+@pytest.fixture
+def base(tmp_path):
+    folder = tmp_path / "base"
+    folder.mkdir()
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_doctor_ok_on_healthy_machine(base):
+    result = run_cli("doctor", base=base)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK:" in result.stdout and "PROBLEM" not in result.stdout
+    assert f"{base} (because the MEMSHARE_TEMP_FOLDER environment variable)" in result.stdout
+    for name in ("numpy", "joblib", "loky", "memshare", "start method"):
+        assert name in result.stdout
+
+
+def test_doctor_flags_dead_owner_leftovers(base):
+    path = make_folder(base, dead_owner())
+    result = run_cli("doctor", base=base)
+    assert result.returncode == 1, result.stdout
+    assert f"{path}: pid" in result.stdout and "owner dead" in result.stdout
+    assert "PROBLEM:" in result.stdout and "python -m memshare clean" in result.stdout
+    assert os.path.isdir(path), "doctor must never remove anything"
+
+
+def test_clean_dry_run_lists_but_keeps(base):
+    path = make_folder(base, dead_owner())
+    result = run_cli("clean", "--dry-run", base=base)
+    assert result.returncode == 0, result.stderr
+    assert f"would remove {path} (1.0 MiB)" in result.stdout
+    assert os.path.isdir(path)
+
+
+def test_clean_removes_dead_and_reports_bytes(base):
+    path = make_folder(base, dead_owner())
+    result = run_cli("clean", base=base)
+    assert result.returncode == 0, result.stderr
+    assert f"removed {path} (1.0 MiB)" in result.stdout
+    assert f"freed 1.0 MiB ({MIB} bytes)" in result.stdout
+    assert not os.path.exists(path)
+    assert run_cli("doctor", base=base).returncode == 0
+
+
+def test_clean_never_removes_live_owner(base):
+    live = make_folder(base, Owner.current())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        from memshare._owners import process_start_time
+
+        child_owner = Owner(child.pid, process_start_time(child.pid), pid_namespace())
+        live_child = make_folder(base, child_owner)
+        other_namespace = make_folder(base, Owner(dead_owner().pid, 1, pid_namespace() + 1))
+        dead = make_folder(base, dead_owner())
+        result = run_cli("clean", base=base)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert os.path.isdir(live) and os.path.isdir(live_child) and os.path.isdir(other_namespace)
+    assert not os.path.exists(dead)
+    assert "kept 3 folder(s) of running owners" in result.stdout
+
+
+@pytest.fixture
+def small_tmpfs():
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point = tempfile.mkdtemp(prefix="memshare-test-shm-")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount_point], capture_output=True, text=True
+    )
+    try:
+        if mounted.returncode != 0:
+            reason = "permission denied" if "permission" in mounted.stderr.lower() else mounted.stderr.strip()
+            pytest.skip(f"cannot mount a tmpfs here ({reason}; errno {errno.EPERM} without CAP_SYS_ADMIN)")
+        yield mount_point
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", mount_point], check=True)
+        os.rmdir(mount_point)
+
+
+def test_doctor_flags_small_shm(base, small_tmpfs):
+    result = run_cli("doctor", "--shm", small_tmpfs, base=base)
+    assert result.returncode == 1, result.stdout
+    assert "64.0 MiB" in result.stdout and "--shm-size=" in result.stdout
+    assert "PROBLEM:" in result.stdout and "OK:" not in result.stdout
+
+
+def test_doctor_flags_nearly_full_shm_and_clean_searches_it(base, small_tmpfs):
+    leftover = make_folder(small_tmpfs, dead_owner(), nbytes=60 * MIB)
+    result = run_cli("doctor", "--shm", small_tmpfs, "--need", "1K", base=base)
+    assert result.returncode == 1
+    assert "nearly full" not in result.stdout, "a too-small shm is reported as such, not as full"
+    assert "owner dead" in result.stdout and f"clean --shm {small_tmpfs}" in result.stdout
+    cleaned = run_cli("clean", "--shm", small_tmpfs, base=base)
+    assert f"removed {leftover}" in cleaned.stdout and not os.path.exists(leftover)
+
+
+def test_bench_without_module_or_usage_error():
+    result = run_cli("bench", "--help")
+    try:
+        import memshare._bench  # noqa: F401
+    except ImportError:
+        assert result.returncode == 2 and "memshare._bench" in result.stderr
+    assert run_cli().returncode == 2
+    assert run_cli("clean", "--bogus").returncode == 2
