@@ -194,9 +194,7 @@ def run_benchmark(
                         stats = {}
                         if name == "memshare":
                             stats = {k: v for k, v in memshare.last_call_stats().items() if k in STAT_KEYS}
-                        report.measurements.append(
-                            Measurement(workload.key, name, jobs, seconds, peak, correct, stats)
-                        )
+                        report.measurements.append(Measurement(workload.key, name, jobs, seconds, peak, correct, stats))
                         bar.update(1)
             del data, expected
     finally:

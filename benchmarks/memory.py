@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 from typing import List, Optional
 
 import psutil
@@ -101,7 +100,7 @@ class MemorySampler:
         self._process = None
         self._conn = None
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(
