@@ -7,8 +7,11 @@ machine's real /dev/shm.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import tempfile
 
 import pytest
 
-from memshare._owners import Owner, new_folder_name, pid_namespace
+from memshare._owners import Owner, new_folder_name, pid_namespace, process_start_time
 
 MIB = 1024 * 1024
 
@@ -95,8 +98,6 @@ def test_clean_never_removes_live_owner(base):
     live = make_folder(base, Owner.current())
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        from memshare._owners import process_start_time
-
         child_owner = Owner(child.pid, process_start_time(child.pid), pid_namespace())
         live_child = make_folder(base, child_owner)
         other_namespace = make_folder(base, Owner(dead_owner().pid, 1, pid_namespace() + 1))
@@ -108,25 +109,27 @@ def test_clean_never_removes_live_owner(base):
     assert result.returncode == 0, result.stderr
     assert os.path.isdir(live) and os.path.isdir(live_child) and os.path.isdir(other_namespace)
     assert not os.path.exists(dead)
-    assert "kept 3 folder(s) of running owners" in result.stdout
+    kept = re.search(r"kept (\d+) folder\(s\) of running owners", result.stdout)
+    assert kept and int(kept.group(1)) >= 3, result.stdout  # other live memshare users may add to the count
 
 
 @pytest.fixture
 def small_tmpfs():
+    """A 64 MiB tmpfs, like Docker's default /dev/shm; unmounted and removed afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     mount_point = tempfile.mkdtemp(prefix="memshare-test-shm-")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount_point], capture_output=True, text=True
-    )
+    mounted = libc.mount(b"tmpfs", os.fsencode(mount_point), b"tmpfs", 0, b"size=64m") == 0
+    failure = ctypes.get_errno()
     try:
-        if mounted.returncode != 0:
-            reason = "permission denied" if "permission" in mounted.stderr.lower() else mounted.stderr.strip()
-            pytest.skip(f"cannot mount a tmpfs here ({reason}; errno {errno.EPERM} without CAP_SYS_ADMIN)")
+        if not mounted and failure == errno.EPERM:
+            pytest.skip("mounting a tmpfs is not permitted here (EPERM: no CAP_SYS_ADMIN in this container)")
+        assert mounted, f"mount -t tmpfs failed: {os.strerror(failure)}"
         yield mount_point
     finally:
-        if mounted.returncode == 0:
-            subprocess.run(["umount", mount_point], check=True)
+        if mounted:
+            assert libc.umount2(os.fsencode(mount_point), 0) == 0, os.strerror(ctypes.get_errno())
         os.rmdir(mount_point)
 
 
@@ -137,7 +140,7 @@ def test_doctor_flags_small_shm(base, small_tmpfs):
     assert "PROBLEM:" in result.stdout and "OK:" not in result.stdout
 
 
-def test_doctor_flags_nearly_full_shm_and_clean_searches_it(base, small_tmpfs):
+def test_doctor_and_clean_search_the_shm_option(base, small_tmpfs):
     leftover = make_folder(small_tmpfs, dead_owner(), nbytes=60 * MIB)
     result = run_cli("doctor", "--shm", small_tmpfs, "--need", "1K", base=base)
     assert result.returncode == 1
@@ -145,6 +148,12 @@ def test_doctor_flags_nearly_full_shm_and_clean_searches_it(base, small_tmpfs):
     assert "owner dead" in result.stdout and f"clean --shm {small_tmpfs}" in result.stdout
     cleaned = run_cli("clean", "--shm", small_tmpfs, base=base)
     assert f"removed {leftover}" in cleaned.stdout and not os.path.exists(leftover)
+
+
+def test_doctor_flags_missing_shm(base, tmp_path):
+    result = run_cli("doctor", "--shm", str(tmp_path / "missing"), base=base)
+    assert result.returncode == 1
+    assert "does not exist" in result.stdout and "--shm-size=" in result.stdout
 
 
 def test_bench_without_module_or_usage_error():
