@@ -198,6 +198,9 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     if fallback:
         fallback_free = human_bytes(free_bytes(fallback))
         say(f"  fallback: {fallback} (on disk, used per array when the primary is full), {fallback_free} free")
+    elif not os.path.isdir(primary):
+        say(f"  fallback: none ({primary} does not exist yet, and no fallback is chosen for a missing base)")
+        verdict.notes.append(f"create {primary} beforehand so that memshare can fall back to disk when it is full.")
     else:
         say("  fallback: none (the system temp dir is on the same file system as the primary)")
 
