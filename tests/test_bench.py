@@ -1,0 +1,133 @@
+"""The benchmark harness runs end to end, and its memory sampler measures what it should."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.memory import MemorySampler  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _leftovers(pid: int) -> list:
+    """Entries in /dev/shm and the temp folder that a benchmark process ``pid`` left behind."""
+    import tempfile
+
+    found = []
+    for folder in ("/dev/shm", tempfile.gettempdir()):
+        if os.path.isdir(folder):
+            found += [os.path.join(folder, e) for e in os.listdir(folder) if re.search(rf"[-_]{pid}[-_]", e)]
+    return found
+
+
+def _run_quick(command: list, tmp_path) -> subprocess.CompletedProcess:
+    """Run a quick benchmark; check that memshare left nothing behind, and remove what joblib left."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = command + ["--size", "8M", "--quick", "--workloads", "acd", "--no-progress"]
+    with subprocess.Popen(
+        args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    time.sleep(0.5)  # let the resource trackers of the finished run unlink their files
+    left = _leftovers(proc.pid)
+    # joblib (not memshare) leaves empty memmapping folders behind (DESIGN.md section 2, item 11): tidy them.
+    for path in [p for p in left if "joblib_memmapping_folder" in os.path.basename(p)]:
+        shutil.rmtree(path, ignore_errors=True)
+    assert not [p for p in left if "memshare" in os.path.basename(p)], left
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(150)
+def test_quick_benchmark_runs(tmp_path):
+    """The quick benchmark exits 0 and its table compares memshare with joblib, all results correct."""
+    output = tmp_path / "results.md"
+    result = _run_quick([sys.executable, "-m", "benchmarks.run", "--output", str(output)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout
+    assert "| (a) | memshare |" in table and "| (a) | joblib |" in table
+    assert "**NO**" not in table
+    report = output.read_text()
+    assert "Command:" in report and "CPU:" in report and "memshare" in report
+
+
+@pytest.mark.timeout(150)
+def test_memshare_bench_entry_point(tmp_path):
+    """``memshare._bench.main`` finds the harness from the clone and runs it."""
+    code = "import sys, memshare._bench as b; sys.exit(b.main(sys.argv[1:]))"
+    result = _run_quick([sys.executable, "-c", code], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memshare" in result.stdout and "joblib" in result.stdout
+
+
+def test_bench_without_harness_explains(monkeypatch, capsys):
+    """Outside a clone, ``main`` fails with a message saying where the harness is."""
+    import memshare._bench as bench
+
+    monkeypatch.setattr(bench, "_load_harness", lambda: None)
+    assert bench.main(["--quick"]) == 2
+    assert "clone" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_sampler_counts_shm_file():
+    """A 200 MiB file written to /dev/shm shows up as about 200 MiB of extra memory."""
+    path = f"/dev/shm/bench-sampler-test-{uuid.uuid4().hex}"
+    block = b"\1" * MiB
+    try:
+        with MemorySampler(os.getpid()) as sampler:
+            with open(path, "wb") as f:
+                for _ in range(200):
+                    f.write(block)
+            time.sleep(0.2)
+    finally:
+        os.unlink(path)
+    # Other processes on a shared machine may add to Shmem; the file itself must be seen.
+    assert 190 * MiB <= sampler.peak_extra_bytes <= 400 * MiB, sampler.peak_extra_bytes
+    assert sampler.samples >= 3
+
+
+def _hold_ones(nbytes: int, seconds: float) -> None:
+    a = np.ones(nbytes // 8)
+    time.sleep(seconds)
+    del a
+
+
+def test_sampler_counts_child_process_memory():
+    """200 MiB allocated in a child process count: the whole process tree is sampled."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_hold_ones, args=(200 * MiB, 0.6))
+    with MemorySampler(os.getpid()) as sampler:
+        child.start()
+        child.join(60)
+    assert child.exitcode == 0
+    # The child's interpreter and numpy add some tens of MiB on top of the array.
+    assert 190 * MiB <= sampler.peak_extra_bytes <= 400 * MiB, sampler.peak_extra_bytes
+
+
+def test_sampler_leaves_no_process():
+    """The sampler process is gone after the block."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with MemorySampler(os.getpid()):
+        pass
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
