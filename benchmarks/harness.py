@@ -115,11 +115,12 @@ class Report:
     measurements: List[Measurement] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     titles: Dict[str, str] = field(default_factory=dict)
+    memory_mode: str = "tree"
 
 
-def _time_one(run) -> tuple:
+def _time_one(run, memory_mode: str) -> tuple:
     gc.collect()
-    with MemorySampler(os.getpid()) as sampler:
+    with MemorySampler(os.getpid(), mode=memory_mode) as sampler:
         start = time.perf_counter()
         result = run()
         seconds = time.perf_counter() - start
@@ -135,6 +136,7 @@ def run_benchmark(
     quick: bool = False,
     pickle_budget: int = 4 * GiB,
     progress: bool = True,
+    memory_mode: str = "tree",
 ) -> Report:
     """Run the chosen workloads (keys ``a``-``h``) for each contender ``repeats`` times, interleaved."""
     from tqdm import tqdm
@@ -142,7 +144,7 @@ def run_benchmark(
     import memshare
 
     size = size or (QUICK_SIZE if quick else default_size())
-    report = Report(size=size, n_jobs=n_jobs, repeats=repeats)
+    report = Report(size=size, n_jobs=n_jobs, repeats=repeats, memory_mode=memory_mode)
     all_workloads = make_workloads()
     chosen = [all_workloads[k] for k in workloads if k in all_workloads]
     unknown = [k for k in workloads if k not in all_workloads and k not in ", "]
@@ -186,7 +188,7 @@ def run_benchmark(
                     for name in active[shift:] + active[:shift]:
                         bar.set_description(f"({workload.key}) {name} n_jobs={jobs} #{repeat + 1}")
                         with workload.session(data, name, jobs if name != "serial" else 1) as run:
-                            result, seconds, peak = _time_one(run)
+                            result, seconds, peak = _time_one(run, memory_mode)
                         correct = workload.check(result, expected)
                         del result
                         if not correct:
@@ -243,8 +245,13 @@ def markdown_table(report: Report) -> str:
     rows = summarize(report)
     lines = [
         f"Array size {format_size(report.size)}, n_jobs={report.n_jobs} (sweep: as listed), "
-        f"{report.repeats} repeat(s), contenders interleaved. Memory: peak extra RssAnon of the process tree "
-        "+ machine Shmem (median over repeats). Ratios: this contender / joblib (< 1 is better).",
+        f"{report.repeats} repeat(s), contenders interleaved. Memory: peak extra RssAnon of the process tree + "
+        + (
+            "the machine's Shmem"
+            if report.memory_mode == "machine"
+            else "the tree's new /dev/shm files (files named after a tree pid, or mapped or open in the tree)"
+        )
+        + ", median over repeats. Ratios: this contender / joblib (< 1 is better).",
         "",
         "| workload | contender | n_jobs | median time | min-max | peak extra memory | time / joblib "
         "| memory / joblib | correct |",
@@ -314,6 +321,12 @@ def build_parser(prog: str = "benchmarks.run") -> argparse.ArgumentParser:
     parser.add_argument("--pickle-budget", type=parse_size, default=4 * GiB, help="skip pickling beyond this")
     parser.add_argument("--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h)")
     parser.add_argument("--output", metavar="FILE", help="write the markdown report with a machine header")
+    parser.add_argument(
+        "--memory-mode",
+        choices=("tree", "machine"),
+        default="tree",
+        help="shared memory counted: the tree's new /dev/shm files (default) or the machine's Shmem",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -337,6 +350,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks.run", com
             quick=args.quick,
             pickle_budget=args.pickle_budget,
             progress=not args.no_progress,
+            memory_mode=args.memory_mode,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

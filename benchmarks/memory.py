@@ -6,7 +6,14 @@ MB from run to run on shared machines. The sum of ``RssAnon`` (private,
 anonymous memory) over the process tree plus the machine's ``Shmem`` (tmpfs and
 shared memory pages) counts each byte of data once wherever it lives.
 
-The sampler runs in its own process (spawn context) so that sampling goes on
+Two modes. ``"machine"`` adds the machine's ``Shmem`` (``/proc/meminfo``), as
+DESIGN.md suggests; on a machine shared with other sessions it moves with
+their files too, and a previous call's files deleted during a run make the
+next contender look smaller. ``"tree"`` (the default) adds only the
+``/dev/shm`` files of the tree (named after one of its pids, or mapped or open
+in one of its processes) that were not there at the baseline.
+
+The sampler runs in its own process (this file, as a subprocess) so that sampling goes on
 while the measured process is busy in C code holding the GIL.
 
 Usage::
@@ -18,13 +25,17 @@ Usage::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-from typing import List, Optional
+import re
+import subprocess
+import sys
+from typing import Dict, List, Optional, Set, Tuple
 
 import psutil
 
 DEFAULT_INTERVAL = 0.02
+SHM_DIR = "/dev/shm"
+FileKey = Tuple[int, int, str]
 
 
 def read_rss_anon(pid: int) -> int:
@@ -59,27 +70,107 @@ def tree_pids(root_pid: int, exclude: int) -> List[int]:
 
 
 def sample_once(root_pid: int, exclude: int = -1) -> int:
-    """One sample: sum of ``RssAnon`` over the tree plus the machine's ``Shmem``."""
+    """One sample in ``"machine"`` mode: sum of ``RssAnon`` over the tree plus the machine's ``Shmem``."""
     return sum(read_rss_anon(pid) for pid in tree_pids(root_pid, exclude)) + read_shmem()
 
 
-def _sampler_main(root_pid: int, interval: float, conn) -> None:
-    """Body of the sampler process: baseline, then sample until told to stop."""
+def _pid_in_name(name: str, pids: Set[str]) -> bool:
+    return any(token in pids for token in re.split(r"[-_.]", name))
+
+
+def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int]:
+    """Files in ``shm_dir`` that belong to the tree: ``(dev, inode, path) -> allocated bytes``.
+
+    A file belongs to the tree when a top-level entry's name carries one of the
+    tree's pids as a token (joblib's ``joblib_memmapping_folder_<pid>_...``,
+    memshare's ``memshare-<pid>-...``, loky's ``sem.loky-<pid>-...``) or when a
+    tree process maps it or holds it open (``/proc/PID/maps`` and ``fd``).
+    """
+    files: Dict[FileKey, int] = {}
+
+    def add(path: str) -> None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        # The path is part of the key because tmpfs reuses the inode numbers of deleted files.
+        files[(st.st_dev, st.st_ino, path)] = st.st_blocks * 512
+
+    pid_tokens = {str(pid) for pid in pids}
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        entries = []
+    for entry in entries:
+        if not _pid_in_name(entry.name, pid_tokens):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            for dirpath, _, names in os.walk(entry.path):
+                for name in names:
+                    add(os.path.join(dirpath, name))
+        else:
+            add(entry.path)
+    prefix = shm_dir.rstrip("/") + "/"
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    add(target)
+        except OSError:
+            continue
+    return files
+
+
+def _sample_tree(root_pid: int, exclude: int, before: Set[FileKey]) -> Tuple[int, Set[FileKey]]:
+    """One sample in ``"tree"`` mode: ``RssAnon`` of the tree plus its shm files not present at baseline."""
+    pids = tree_pids(root_pid, exclude)
+    files = tree_shm_files(pids)
+    new = sum(size for key, size in files.items() if key not in before)
+    return sum(read_rss_anon(pid) for pid in pids) + new, set(files)
+
+
+def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
+    """Body of the sampler process: baseline, then sample until a line arrives on stdin.
+
+    Protocol (one line each): it prints ``ready <baseline>``, waits for any line
+    on stdin while sampling, then prints ``done <baseline> <peak> <samples>``.
+    """
+    import select
+
     me = os.getpid()
-    baseline = sample_once(root_pid, me)
+    before: Set[FileKey] = set()
+
+    def sample() -> int:
+        if mode == "machine":
+            return sample_once(root_pid, me)
+        return _sample_tree(root_pid, me, before)[0]
+
+    if mode == "tree":
+        # Files already there are left out of the baseline as they are left out of every later sample.
+        pids = tree_pids(root_pid, me)
+        before = set(tree_shm_files(pids))
+        baseline = sum(read_rss_anon(pid) for pid in pids)
+    else:
+        baseline = sample()
     peak = baseline
     samples = 1
-    conn.send(("ready", baseline))
-    while not conn.poll(interval):
-        value = sample_once(root_pid, me)
+    print(f"ready {baseline}", flush=True)
+    while not select.select([sys.stdin], [], [], interval)[0]:
+        value = sample()
         samples += 1
-        if value > peak:
-            peak = value
-    conn.recv()
+        peak = max(peak, value)
     # One last sample so that a peak at the very end is not missed.
-    peak = max(peak, sample_once(root_pid, me))
-    conn.send(("done", baseline, peak, samples + 1))
-    conn.close()
+    peak = max(peak, sample())
+    print(f"done {baseline} {peak} {samples + 1}", flush=True)
 
 
 class MemorySampler:
@@ -87,54 +178,60 @@ class MemorySampler:
 
     After the ``with`` block, ``baseline_bytes``, ``peak_bytes``,
     ``peak_extra_bytes`` (peak minus baseline, never negative) and ``samples``
-    are set. The baseline is taken before ``__enter__`` returns.
+    are set. The baseline is taken before ``__enter__`` returns. The sampler is
+    a plain subprocess running this file, so the caller needs no
+    ``if __name__ == "__main__"`` guard (as it would with a spawned
+    ``multiprocessing.Process``).
     """
 
-    def __init__(self, root_pid: Optional[int] = None, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, root_pid: Optional[int] = None, interval: float = DEFAULT_INTERVAL, mode: str = "tree") -> None:
+        if mode not in ("tree", "machine"):
+            raise ValueError(f"mode must be 'tree' or 'machine', not {mode!r}")
+        self.mode = mode
         self.root_pid = os.getpid() if root_pid is None else root_pid
         self.interval = interval
         self.baseline_bytes = 0
         self.peak_bytes = 0
         self.peak_extra_bytes = 0
         self.samples = 0
-        self._process = None
-        self._conn = None
+        self._process: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> MemorySampler:
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(
-            target=_sampler_main, args=(self.root_pid, self.interval, child_conn), name="memshare-bench-sampler"
+        self._process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(self.root_pid), str(self.interval), self.mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        self._process.daemon = True
-        self._process.start()
-        child_conn.close()
-        self._conn = parent_conn
-        if not parent_conn.poll(60):
+        line = self._process.stdout.readline().split()
+        if not line or line[0] != "ready":
             self._stop_process()
-            raise RuntimeError("memory sampler did not start within 60 s")
-        _, self.baseline_bytes = parent_conn.recv()
+            raise RuntimeError("memory sampler failed to start")
+        self.baseline_bytes = int(line[1])
         return self
 
     def __exit__(self, *exc) -> None:
         try:
-            self._conn.send("stop")
-            if self._conn.poll(60):
-                _, self.baseline_bytes, self.peak_bytes, self.samples = self._conn.recv()
+            self._process.stdin.write("stop\n")
+            self._process.stdin.flush()
+            line = self._process.stdout.readline().split()
+            if line and line[0] == "done":
+                self.baseline_bytes, self.peak_bytes, self.samples = (int(x) for x in line[1:4])
                 self.peak_extra_bytes = max(0, self.peak_bytes - self.baseline_bytes)
         finally:
             self._stop_process()
 
     def _stop_process(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._process is not None:
-            self._process.join(10)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-            self._process = None
+        if self._process is None:
+            return
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        for stream in (self._process.stdin, self._process.stdout):
+            stream.close()
+        self._process = None
 
 
 def measure_peak(func, *args, interval: float = DEFAULT_INTERVAL, **kwargs):
@@ -142,3 +239,7 @@ def measure_peak(func, *args, interval: float = DEFAULT_INTERVAL, **kwargs):
     with MemorySampler(os.getpid(), interval) as sampler:
         result = func(*args, **kwargs)
     return result, sampler.peak_extra_bytes
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])

@@ -84,22 +84,52 @@ def test_bench_without_harness_explains(monkeypatch, capsys):
     assert "clone" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
-def test_sampler_counts_shm_file():
-    """A 200 MiB file written to /dev/shm shows up as about 200 MiB of extra memory."""
-    path = f"/dev/shm/bench-sampler-test-{uuid.uuid4().hex}"
+def _write_shm(path: str, mib: int) -> None:
     block = b"\1" * MiB
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(block)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+@pytest.mark.parametrize("mode", ["tree", "machine"])
+def test_sampler_counts_shm_file(mode):
+    """A 200 MiB file written to /dev/shm, named after this process, shows up as about 200 MiB."""
+    path = f"/dev/shm/bench-sampler-test-{os.getpid()}-{uuid.uuid4().hex}"
     try:
-        with MemorySampler(os.getpid()) as sampler:
-            with open(path, "wb") as f:
-                for _ in range(200):
-                    f.write(block)
+        with MemorySampler(os.getpid(), mode=mode) as sampler:
+            _write_shm(path, 200)
             time.sleep(0.2)
     finally:
         os.unlink(path)
-    # Other processes on a shared machine may add to Shmem; the file itself must be seen.
+    # In "machine" mode other processes on a shared machine may add to Shmem; the file itself must be seen.
     assert 190 * MiB <= sampler.peak_extra_bytes <= 400 * MiB, sampler.peak_extra_bytes
     assert sampler.samples >= 3
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_tree_mode_ignores_files_of_others_and_of_the_past():
+    """ "tree" mode ignores files of others, and a file deleted during the run does not offset a new one."""
+    foreign = f"/dev/shm/bench-sampler-test-foreign-{uuid.uuid4().hex}"
+    old = f"/dev/shm/bench-sampler-test-{os.getpid()}-{uuid.uuid4().hex}"
+    new = f"/dev/shm/bench-sampler-test-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        _write_shm(old, 100)
+        with MemorySampler(os.getpid()) as sampler:
+            # Allocated in one call and closed at once: seen neither by name nor as an open file.
+            fd = os.open(foreign, os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, 200 * MiB)
+            finally:
+                os.close(fd)
+            os.unlink(old)
+            _write_shm(new, 100)
+            time.sleep(0.2)
+    finally:
+        for path in (foreign, old, new):
+            if os.path.exists(path):
+                os.unlink(path)
+    assert 95 * MiB <= sampler.peak_extra_bytes <= 150 * MiB, sampler.peak_extra_bytes
 
 
 def _hold_ones(nbytes: int, seconds: float) -> None:
