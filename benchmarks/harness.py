@@ -194,7 +194,8 @@ def run_benchmark(
                         if not correct:
                             report.notes.append(f"({workload.key}) {name} n_jobs={jobs}: WRONG RESULT")
                         stats = {}
-                        if name == "memshare":
+                        # With n_jobs=1 joblib runs sequentially without the backend, so the figures would be stale.
+                        if name == "memshare" and jobs > 1:
                             stats = {k: v for k, v in memshare.last_call_stats().items() if k in STAT_KEYS}
                         report.measurements.append(Measurement(workload.key, name, jobs, seconds, peak, correct, stats))
                         bar.update(1)
@@ -260,8 +261,9 @@ def markdown_table(report: Report) -> str:
     for r in rows:
         tr = f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "-"
         mr = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] is not None else "-"
+        jobs = "1 (in-process)" if r["contender"] == "serial" else r["n_jobs"]
         lines.append(
-            f"| ({r['workload']}) | {r['contender']} | {r['n_jobs']} | {r['median']:.3f} s "
+            f"| ({r['workload']}) | {r['contender']} | {jobs} | {r['median']:.3f} s "
             f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )

@@ -88,13 +88,13 @@ def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int
     """
     files: Dict[FileKey, int] = {}
 
-    def add(path: str) -> None:
+    def add(path: str, name: Optional[str] = None) -> None:
         try:
             st = os.stat(path)
         except OSError:
             return
         # The path is part of the key because tmpfs reuses the inode numbers of deleted files.
-        files[(st.st_dev, st.st_ino, path)] = st.st_blocks * 512
+        files[(st.st_dev, st.st_ino, name or path)] = st.st_blocks * 512
 
     pid_tokens = {str(pid) for pid in pids}
     try:
@@ -112,19 +112,23 @@ def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int
             add(entry.path)
     prefix = shm_dir.rstrip("/") + "/"
     for pid in pids:
+        # Through /proc/PID/map_files and /proc/PID/fd, so that files already unlinked but still mapped or
+        # open (memshare unlinks result files once they are mapped) are still counted.
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     at = line.find(prefix)
                     if at >= 0:
-                        add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+                        path = line[at:].rstrip("\n").removesuffix(" (deleted)")
+                        add(f"/proc/{pid}/map_files/{line.split(None, 1)[0]}", path)
             for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = f"/proc/{pid}/fd/{fd}"
                 try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    target = os.readlink(link)
                 except OSError:
                     continue
                 if target.startswith(prefix):
-                    add(target)
+                    add(link, target.removesuffix(" (deleted)"))
         except OSError:
             continue
     return files
