@@ -116,12 +116,12 @@ def test_tree_mode_ignores_files_of_others_and_of_the_past():
     try:
         _write_shm(old, 100)
         with MemorySampler(os.getpid()) as sampler:
-            # Allocated in one call and closed at once: seen neither by name nor as an open file.
-            fd = os.open(foreign, os.O_CREAT | os.O_WRONLY, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, 200 * MiB)
-            finally:
-                os.close(fd)
+            # Written by an orphaned process (its parent shell exits at once): outside this process tree,
+            # like another session's files on a shared machine.
+            subprocess.run(["sh", "-c", f"(head -c {200 * MiB} /dev/zero > {foreign}) >/dev/null 2>&1 &"], check=True)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (not os.path.exists(foreign) or os.path.getsize(foreign) < 200 * MiB):
+                time.sleep(0.02)
             os.unlink(old)
             _write_shm(new, 100)
             time.sleep(0.2)
