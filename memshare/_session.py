@@ -81,7 +81,7 @@ class Session:
         self._by_id: Dict[int, _Dump] = {}
         self._by_path: Dict[str, _Dump] = {}
         self._task_files: Dict[int, List[str]] = {}
-        self._idle: "OrderedDict[str, _Dump]" = OrderedDict()
+        self._idle: OrderedDict[str, _Dump] = OrderedDict()
         self._tokens = itertools.count(1)
         self._generation = 0
         self._packing: Optional[List[str]] = None  # files of the task being packed

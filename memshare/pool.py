@@ -6,9 +6,10 @@ dumped once and travel as file references. Workers run ``run_task`` and send
 back an ``Outcome``, which the pool turns back into the value, or the
 exception, on the result thread before the standard machinery sees it.
 
-Two gaps of the standard pool are closed: a worker that dies mid-task (killed,
-segfault, out of memory) fails the pending results promptly instead of
-hanging them forever, and workers exit by themselves when the parent dies.
+Two gaps of the standard pool are closed: a worker that dies abruptly (killed,
+segfault, out of memory) fails the pending results promptly and marks the
+pool broken instead of hanging forever, and workers exit by themselves when
+the parent dies.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class MemmappingPool(Pool):
         settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
         self._session = Session(settings)  # before Pool.__init__: _setup_queues uses it
         self._stopping = False
-        self._seen_dead: set = set()
+        self._broken: Optional[BaseException] = None
         try:
             super().__init__(processes, _worker_init, (initializer, tuple(initargs)), maxtasksperchild, context)
         except BaseException:
@@ -104,7 +105,12 @@ class MemmappingPool(Pool):
 
     # -- task submission ---------------------------------------------------------
 
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (Pool's signature)
+        self._check_usable()
         self._session.new_generation()
         task = self._session.pack_task(func, tuple(args), dict(kwds))
         return super().apply_async(run_task, (task,), {}, callback, error_callback)
@@ -122,14 +128,17 @@ class MemmappingPool(Pool):
         return self.starmap_async(func, iterable, chunksize).get()
 
     def imap(self, func, iterable, chunksize=1):
+        self._check_usable()
         self._session.new_generation()
         return super().imap(run_task, self._lazy(func, iterable), chunksize)
 
     def imap_unordered(self, func, iterable, chunksize=1):
+        self._check_usable()
         self._session.new_generation()
         return super().imap_unordered(run_task, self._lazy(func, iterable), chunksize)
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
+        self._check_usable()
         self._session.new_generation()
         items = list(iterable)
         tasks = _PackedTasks(self._session, func, items, star)
@@ -168,6 +177,18 @@ class MemmappingPool(Pool):
         super().join()
         self._session.close()
 
+    @staticmethod
+    def _help_stuff_finish(inqueue, task_handler, size):
+        # Pool.terminate drains the task queue under its read lock. A worker
+        # killed while waiting for a task never released that lock, and the
+        # standard pool would then hang forever here; the workers are being
+        # terminated anyway, so give up on draining after a moment.
+        if not inqueue._rlock.acquire(timeout=1.0):
+            return
+        while task_handler.is_alive() and inqueue._reader.poll():
+            inqueue._reader.recv()
+            time.sleep(0)
+
     @property
     def temp_folder(self) -> str:
         """The path of this pool's folder in shared memory (created on first use)."""
@@ -175,19 +196,29 @@ class MemmappingPool(Pool):
 
     def _watch_workers(self) -> None:
         """Fail pending results promptly when a worker dies abruptly."""
+        # The pool's own thread removes exited workers from its list at once,
+        # so remember every worker seen and read exit codes from our copy.
+        known: dict = {}
         while not self._stopping:
             time.sleep(_MONITOR_INTERVAL)
             for process in list(self._pool):
+                known.setdefault(process.pid, process)
+            for worker_pid, process in list(known.items()):
                 code = process.exitcode
-                if code is None or code == 0 or process.pid in self._seen_dead or self._stopping:
+                if code is None:
                     continue
-                self._seen_dead.add(process.pid)
-                self._fail_pending(
-                    WorkerDiedError(
-                        f"memshare: worker process {process.pid} {describe_exit(code)}. "
-                        "The tasks that were pending have been abandoned; the pool starts a new worker."
-                    )
+                del known[worker_pid]
+                if code == 0 or self._stopping:
+                    continue  # a normal exit (maxtasksperchild, shutdown)
+                # An idle worker blocks in the task queue's read lock; killed
+                # there, it takes the lock with it and no other worker can ever
+                # receive a task. So the pool is broken, as concurrent.futures
+                # says of its own: fail everything now rather than hang.
+                self._broken = WorkerDiedError(
+                    f"memshare: worker process {worker_pid} {describe_exit(code)}. Its pool cannot run "
+                    "tasks any more: terminate it and create a new one."
                 )
+                self._fail_pending(self._broken)
 
     def _fail_pending(self, error: BaseException) -> None:
         for result in list(self._cache.values()):

@@ -7,8 +7,18 @@ from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, None), (0, 0), (1024, 1024), ("1M", 1024**2), ("10K", 10240), ("2G", 2 * 1024**3), ("1.5k", 1536),
-     ("3MB", 3 * 1024**2), ("12", 12), (np.int64(5), 5)],
+    [
+        (None, None),
+        (0, 0),
+        (1024, 1024),
+        ("1M", 1024**2),
+        ("10K", 10240),
+        ("2G", 2 * 1024**3),
+        ("1.5k", 1536),
+        ("3MB", 3 * 1024**2),
+        ("12", 12),
+        (np.int64(5), 5),
+    ],
 )
 def test_max_nbytes_accepts_sizes(value, expected):
     assert parse_max_nbytes(value) == expected

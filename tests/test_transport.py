@@ -16,8 +16,22 @@ from memshare._config import Settings
 from memshare._session import Session
 from memshare._worker import run_task
 
-DTYPES = ["<f8", ">f8", "<i4", ">i2", "u1", "?", "<c16", ">c8", "<f2", "M8[s]", "m8[ms]", "S5", "<U3",
-          [("a", "<i4"), ("b", ">f8")]]
+DTYPES = [
+    "<f8",
+    ">f8",
+    "<i4",
+    ">i2",
+    "u1",
+    "?",
+    "<c16",
+    ">c8",
+    "<f2",
+    "M8[s]",
+    "m8[ms]",
+    "S5",
+    "<U3",
+    [("a", "<i4"), ("b", ">f8")],
+]
 
 
 def describe(x):

@@ -1,0 +1,180 @@
+"""MemmappingPool across real processes."""
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import time
+
+import numpy as np
+import pytest
+from conftest import files_under, memshare_entries
+
+import memshare
+from memshare import MemmappingPool
+
+
+def total(x):
+    return float(np.asarray(x).sum())
+
+
+def kind(x):
+    return type(x).__name__, x.flags.writeable, x.shape
+
+
+def add(x, y=0):
+    return x + y
+
+
+def write_first(x):
+    x[0] = 99.0
+    return float(x[0])
+
+
+def write_or_read(x, write):
+    if write:
+        x[0] = 99.0
+    return float(x.sum())
+
+
+def sleep_forever(_):
+    time.sleep(60)
+
+
+def pid(_):
+    return os.getpid()
+
+
+def make(n):
+    return np.full(n, 3.0)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_full_api_under_every_start_method(shm_dir, method):
+    data = np.arange(100_000.0)
+    with MemmappingPool(2, context=mp.get_context(method), max_nbytes="10K") as pool:
+        assert pool.apply(total, (data,)) == data.sum()
+        assert pool.apply_async(kind, (data,)).get(timeout=60) == ("memmap", False, (100_000,))
+        assert pool.map(total, [data, data[::2]]) == [data.sum(), data[::2].sum()]
+        assert pool.map_async(total, [data]).get(timeout=60) == [data.sum()]
+        assert list(pool.imap(total, iter([data, data[:10]]))) == [data.sum(), data[:10].sum()]
+        assert sorted(pool.imap_unordered(total, [data[:5], data[:3]])) == sorted([data[:5].sum(), data[:3].sum()])
+        assert pool.starmap(add, [(1, 2), (3, 4)]) == [3, 7]
+        assert pool.starmap_async(add, [(data[:3], 1)]).get(timeout=60)[0].tolist() == [1.0, 2.0, 3.0]
+        assert pool.apply(add, (1,), {"y": 5}) == 6
+        assert len(files_under(shm_dir)) >= 1
+    assert memshare_entries(shm_dir) == []
+
+
+def test_same_array_to_100_tasks_makes_one_file(shm_dir):
+    data = np.ones(200_000)
+    with MemmappingPool(2) as pool:
+        results = [pool.apply_async(total, (data,)) for _ in range(100)]
+        assert [r.get(timeout=60) for r in results] == [200_000.0] * 100
+        assert pool.map(total, [data] * 100) == [200_000.0] * 100
+        assert memshare.last_call_stats() is None or True  # stats are recorded at close
+    stats = memshare.last_call_stats()
+    assert stats["arrays_dumped"] == 1 and stats["tasks"] == 200
+
+
+def test_fresh_arrays_from_a_generator_never_alias(shm_dir):
+    with MemmappingPool(2) as pool:
+        sums = list(pool.imap(total, (np.full(200_000, float(i)) for i in range(30))))
+    assert sums == [200_000.0 * i for i in range(30)]
+
+
+def test_no_folder_when_nothing_crosses_the_threshold(shm_dir):
+    with MemmappingPool(2) as pool:
+        assert pool.map(total, [np.ones(10)] * 5) == [10.0] * 5
+        assert memshare_entries(shm_dir) == []
+
+
+@pytest.mark.parametrize("finish", ["terminate", "close_join", "context"])
+def test_files_removed_on_every_way_of_finishing(shm_dir, finish):
+    data = np.ones(300_000)
+    pool = MemmappingPool(2)
+    if finish == "context":
+        with pool:
+            pool.map(total, [data] * 4)
+    else:
+        pool.map(total, [data] * 4)
+        assert files_under(shm_dir)
+        if finish == "terminate":
+            pool.terminate()
+        else:
+            pool.close()
+            pool.join()
+    assert memshare_entries(shm_dir) == []
+
+
+def test_permissions_are_private_even_with_umask_zero(shm_dir):
+    old = os.umask(0)
+    try:
+        data = np.ones(300_000)
+        with MemmappingPool(1) as pool:
+            pool.map(total, [data, data])
+            ((folder, files),) = memshare_entries(shm_dir)
+            path = shm_dir / folder
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+            assert all(stat.S_IMODE(os.stat(path / f).st_mode) == 0o600 for f in files)
+    finally:
+        os.umask(old)
+
+
+def test_writable_modes(shm_dir, tmp_path):
+    user = np.memmap(tmp_path / "user.dat", dtype="f8", mode="w+", shape=(200_000,))
+    with MemmappingPool(2, mmap_mode="r") as pool:
+        # The user's own writable memmap: workers write into it, the parent sees it.
+        assert pool.apply(write_first, (user,)) == 99.0
+        assert user[0] == 99.0
+        # A dumped array in 'r' mode is read-only in the worker.
+        with pytest.raises(ValueError, match="read-only"):
+            pool.apply(write_first, (np.zeros(200_000),))
+    dumped = np.zeros(200_000)
+    with MemmappingPool(1, mmap_mode="c") as pool:
+        assert pool.apply(write_first, (dumped,)) == 99.0  # private copy-on-write
+        assert pool.apply(total, (dumped,)) == 0.0  # the next task sees the file unchanged
+    assert dumped[0] == 0.0
+    with MemmappingPool(1, mmap_mode="r+") as pool:
+        # Within one call, a write is seen by the tasks that follow it.
+        assert pool.starmap(write_or_read, [(dumped, True), (dumped, False)], chunksize=1) == [99.0, 99.0]
+        # A new call re-sends the parent's array, which is the reference.
+        assert pool.apply(total, (dumped,)) == 0.0
+    assert dumped[0] == 0.0  # the parent's own copy is never written
+    del user
+
+
+def test_large_results_come_back_as_plain_writable_arrays(shm_dir):
+    with MemmappingPool(2) as pool:
+        small, big = pool.map(make, [10, 500_000])
+        assert type(big) is np.ndarray and big.flags.writeable and big.sum() == 1_500_000.0
+        big[0] = 1.0
+    assert memshare.last_call_stats()["results_by_reference"] == 1
+    assert memshare_entries(shm_dir) == []
+
+
+def test_task_exceptions_keep_their_type_and_remote_traceback(shm_dir):
+    with MemmappingPool(2) as pool:
+        with pytest.raises(TypeError) as info:
+            pool.apply(add, ("a", 1))
+        assert "Traceback" in str(info.value.__cause__)
+        with pytest.raises(TypeError):
+            pool.map(add, [1, "b"])
+        assert pool.apply(add, (1, 1)) == 2  # still usable
+
+
+def test_killed_worker_fails_pending_tasks_promptly(shm_dir):
+    data = np.ones(300_000)
+    with MemmappingPool(2) as pool:
+        pids = set(pool.map(pid, range(20)))
+        pending = pool.apply_async(sleep_forever, (data,))
+        time.sleep(1.0)
+        for worker_pid in pids:
+            os.kill(worker_pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
+            pending.get(timeout=30)
+        assert time.monotonic() - started < 10
+        with pytest.raises(memshare.WorkerDiedError, match="create a new one"):
+            pool.apply_async(add, (2, 3))  # broken: says so instead of hanging
+    assert memshare_entries(shm_dir) == []  # terminate() did not hang, and cleaned up
