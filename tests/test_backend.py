@@ -1,0 +1,192 @@
+"""The "memshare" joblib backend and memshare.Parallel, with joblib's semantics."""
+
+import multiprocessing
+import os
+import threading
+import time
+
+import joblib
+import numpy as np
+import pytest
+from conftest import files_under, memshare_entries, run_script
+
+import memshare
+from memshare import Parallel, delayed
+
+
+class CustomError(Exception):
+    pass
+
+
+def square(x):
+    return x * x
+
+
+def total(x):
+    return float(np.asarray(x).sum())
+
+
+def kind(x):
+    return type(x).__name__
+
+
+def fail(exc):
+    raise exc
+
+
+def slow(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+def nested(n):
+    return Parallel(n_jobs=2)(delayed(square)(i) for i in range(n))
+
+
+def worker_pid(_):
+    return os.getpid()
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, -1, -2])
+@pytest.mark.parametrize("verbose", [0, 60])
+def test_results_equal_the_list_comprehension(n_jobs, verbose, capsys):
+    assert Parallel(n_jobs=n_jobs, verbose=verbose)(delayed(square)(i) for i in range(20)) == [
+        i * i for i in range(20)
+    ]
+
+
+def test_lambdas_kwargs_and_large_arrays(shm_dir):
+    data = np.arange(500_000.0)
+    out = Parallel(n_jobs=2)(delayed(lambda x, k=0: (kind(x), total(x) + k))(data, k=i) for i in range(4))
+    assert out == [("memmap", data.sum() + i) for i in range(4)]
+    assert memshare.last_call_stats()["arrays_dumped"] == 1
+    assert memshare_entries(shm_dir) == []  # unmanaged call leaves nothing
+
+
+@pytest.mark.parametrize("n_jobs", [0, "two", -0])
+def test_invalid_n_jobs(n_jobs):
+    with pytest.raises(ValueError, match="n_jobs"):
+        Parallel(n_jobs=n_jobs, backend="memshare")(delayed(square)(1) for _ in range(2))
+
+
+def test_invalid_batch_size_and_backend_names():
+    with pytest.raises(ValueError, match="batch_size"):
+        Parallel(n_jobs=2, batch_size=0)
+    with pytest.raises(ValueError, match="Invalid backend"):
+        Parallel(n_jobs=2, backend="no-such-backend")
+    with pytest.raises(ValueError, match="mmap_mode"):
+        Parallel(n_jobs=2, mmap_mode=None)(delayed(square)(1) for _ in range(2))
+
+
+@pytest.mark.parametrize("exc", [CustomError("boom"), ZeroDivisionError("zero"), KeyboardInterrupt()])
+def test_exceptions_keep_their_type_and_managed_context_stays_usable(exc):
+    with Parallel(n_jobs=2) as parallel:
+        with pytest.raises(type(exc)):
+            parallel(delayed(fail)(exc) for _ in range(3))
+        assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
+
+
+def test_timeout_and_generators():
+    with pytest.raises((TimeoutError, multiprocessing.TimeoutError)):  # joblib raises the latter
+        Parallel(n_jobs=2, timeout=0.5)(delayed(slow)(i, 5) for i in range(2))
+    gen = Parallel(n_jobs=2, return_as="generator")(delayed(square)(i) for i in range(10))
+    assert list(gen) == [i * i for i in range(10)]
+    unordered = Parallel(n_jobs=2, return_as="generator_unordered")(
+        delayed(slow)(i, s) for i, s in [(0, 1.5), (1, 0.0)]
+    )
+    assert next(unordered) == 1
+
+
+def test_batch_size_and_pre_dispatch():
+    out = Parallel(n_jobs=2, batch_size=7, pre_dispatch="all")(delayed(square)(i) for i in range(50))
+    assert out == [i * i for i in range(50)]
+
+
+def test_nested_calls_use_threads_not_processes():
+    assert Parallel(n_jobs=2)(delayed(nested)(3) for _ in range(2)) == [[0, 1, 4]] * 2
+
+
+def test_workers_are_reused_across_ten_calls():
+    pids = [set(Parallel(n_jobs=2)(delayed(worker_pid)(i) for i in range(8))) for _ in range(10)]
+    assert len(set().union(*pids)) <= 2
+
+
+def test_managed_context_keeps_files_until_exit_and_sees_mutations(shm_dir):
+    data = np.zeros(300_000)
+    with Parallel(n_jobs=2) as parallel:
+        assert parallel(delayed(total)(data) for _ in range(4)) == [0.0] * 4
+        assert len(files_under(shm_dir)) == 1
+        data[:] = 1.0
+        assert parallel(delayed(total)(data) for _ in range(4)) == [300_000.0] * 4
+        parallel(delayed(total)(data) for _ in range(4))
+    assert memshare.last_call_stats()["arrays_dumped"] == 2  # once, then once more after the change
+    assert memshare_entries(shm_dir) == []
+
+
+def test_settings_change_takes_effect_without_restarting_workers(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    data = np.ones(300_000)
+    seen = []
+    for folder in (first, second):
+        seen.append(Parallel(n_jobs=2, temp_folder=str(folder))(delayed(worker_pid)(data) for _ in range(4)))
+        assert folder.exists()  # the folder was used
+    assert set(seen[0]) & set(seen[1])
+    assert Parallel(n_jobs=2, max_nbytes=None)(delayed(kind)(data) for _ in range(2)) == ["ndarray"] * 2
+    with joblib.parallel_config(max_nbytes="10M"):
+        assert Parallel(n_jobs=2)(delayed(kind)(data) for _ in range(2)) == ["ndarray"] * 2
+
+
+def test_two_threads_at_once_get_separate_folders(shm_dir):
+    results = {}
+
+    def run(name, value):
+        data = np.full(300_000, value)
+        results[name] = Parallel(n_jobs=2)(delayed(total)(data) for _ in range(6))
+
+    threads = [threading.Thread(target=run, args=(n, float(n))) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {n: [300_000.0 * n] * 6 for n in range(2)}
+    assert memshare_entries(shm_dir) == []
+
+
+def test_joblib_parallel_config_selects_memshare(shm_dir):
+    data = np.ones(300_000)
+    with joblib.parallel_config(backend="memshare", n_jobs=2):
+        assert joblib.Parallel()(delayed(kind)(data) for _ in range(2)) == ["memmap"] * 2
+    assert memshare.last_call_stats()["arrays_dumped"] == 1
+
+
+def test_other_backends_pass_through():
+    assert Parallel(n_jobs=2, backend="threading")(delayed(square)(i) for i in range(4)) == [0, 1, 4, 9]
+    with joblib.parallel_config(backend="threading"):
+        parallel = Parallel(n_jobs=2)
+        assert type(parallel._backend).__name__ == "ThreadingBackend"
+
+
+def test_no_resource_tracker_noise_on_stderr():
+    result = run_script(
+        """
+        import numpy as np
+        from memshare import Parallel, delayed
+        def f(x):
+            return float(x.sum())
+        def boom(x):
+            raise ValueError(x)
+        if __name__ == "__main__":
+            data = np.ones(300_000)
+            for _ in range(5):
+                Parallel(n_jobs=2)(delayed(f)(data) for _ in range(4))
+            Parallel(n_jobs=2, max_nbytes=None)(delayed(f)(data) for _ in range(2))
+            try:
+                Parallel(n_jobs=2)(delayed(boom)(1) for _ in range(2))
+            except ValueError:
+                pass
+            with Parallel(n_jobs=2) as p:
+                p(delayed(f)(data) for _ in range(2))
+        """
+    )
+    for word in ("resource_tracker", "leaked", "KeyError", "FileNotFoundError", "Traceback"):
+        assert word not in result.stderr, result.stderr
