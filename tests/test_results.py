@@ -1,0 +1,111 @@
+"""Large results come back through shared memory, with no copy."""
+
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import memshare_entries
+
+import memshare
+from memshare import MemmappingPool, Parallel, delayed
+
+
+def make(n, dtype="f8", order="C"):
+    return np.asfortranarray(np.arange(n, dtype=dtype).reshape(-1, 2)) if order == "F" else np.arange(n, dtype=dtype)
+
+
+def nested_result(n):
+    return {"a": (np.ones(n), [np.zeros(n)]), "frame": pd.DataFrame({"x": np.arange(n, dtype=float)})}
+
+
+def head_view(x):
+    return x[:1000]
+
+
+def rss_anon():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def shmem_bytes():
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.parametrize("dtype", ["f8", ">i4", "c16"])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_values_dtypes_orders_preserved_and_arrays_plain_writable(shm_dir, dtype, order):
+    out = Parallel(n_jobs=2)(delayed(make)(400_000, dtype, order) for _ in range(2))
+    want = make(400_000, dtype, order)
+    for got in out:
+        assert type(got) is np.ndarray and got.flags.writeable
+        assert got.dtype == want.dtype and got.flags.f_contiguous == want.flags.f_contiguous
+        np.testing.assert_array_equal(got, want)
+    assert memshare.last_call_stats()["results_by_reference"] == 2
+    assert memshare_entries(shm_dir) == []
+
+
+def test_nested_containers_and_dataframes(shm_dir):
+    (result,) = Parallel(n_jobs=2)(delayed(nested_result)(200_000) for _ in range(1))
+    assert result["a"][0].sum() == 200_000 and result["a"][1][0].sum() == 0
+    assert result["frame"]["x"].sum() == sum(range(200_000))
+    assert memshare.last_call_stats()["results_by_reference"] >= 3
+
+
+def test_memory_is_released_when_the_result_is_deleted(monkeypatch):
+    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)  # the real /dev/shm: Shmem counts it
+    nbytes = 256 * 1024**2
+    with MemmappingPool(1) as pool:
+        before = rss_anon() + shmem_bytes()
+        result = pool.apply(np.ones, (nbytes // 8,))
+        assert result.sum() == nbytes // 8
+        held = rss_anon() + shmem_bytes() - before
+        folder = pool.temp_folder
+        assert not os.path.isdir(folder) or os.listdir(folder) == []  # the name was removed at once
+        del result
+        released = rss_anon() + shmem_bytes() - before
+    assert held > 0.8 * nbytes  # measured, not assumed: the result really was here
+    assert released < 0.2 * nbytes
+
+
+def test_views_of_user_memmaps_come_back_as_references(tmp_path, shm_dir):
+    user = np.memmap(tmp_path / "u.dat", dtype="f8", mode="w+", shape=(300_000,))
+    (view,) = Parallel(n_jobs=2)(delayed(head_view)(user) for _ in range(1))
+    view[0] = 7.0
+    user.flush()
+    assert user[0] == 7.0  # the same memory
+    assert memshare.last_call_stats()["results_by_reference"] == 0
+    del view, user
+
+
+def test_views_of_dumped_inputs_come_back_independent(shm_dir):
+    data = np.arange(300_000.0)
+    with Parallel(n_jobs=2, max_nbytes=1000) as parallel:
+        (view,) = parallel(delayed(head_view)(data) for _ in range(1))
+    assert memshare_entries(shm_dir) == []  # the dump is gone, the result lives on
+    np.testing.assert_array_equal(view, data[:1000])
+    view[0] = -1
+    assert data[0] == 0
+
+
+def test_shared_array_views_come_back_as_the_same_memory(shm_dir):
+    out = memshare.zeros(300_000)
+    (view,) = Parallel(n_jobs=2)(delayed(head_view)(out) for _ in range(1))
+    view[3] = 5.0
+    assert out[3] == 5.0
+
+
+def test_a_killed_worker_leaks_nothing(shm_dir):
+    def die(_):
+        os.kill(os.getpid(), 9)
+
+    with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
+        Parallel(n_jobs=2)(delayed(die)(np.ones(300_000)) for _ in range(2))
+    assert memshare_entries(shm_dir) == []
