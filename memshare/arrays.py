@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ._dumping import dump_array
-from ._folders import TempFolder
+from ._folders import TempFolder, default_base
 from ._mapping import map_file
 from ._refs import SHARED, ArrayRef, find_backing
 
@@ -42,15 +42,18 @@ class _SharedStore:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.folder: Optional[TempFolder] = None
+        # One folder per location, so that a changed MEMSHARE_TEMP_FOLDER
+        # takes effect for arrays made afterwards.
+        self.folders: Dict[str, TempFolder] = {}
         self.bases: Dict[str, Tuple[int, weakref.ref]] = {}  # path -> (inode, mapping)
 
     def new_array(self, shape: Tuple[int, ...], dtype: np.dtype, order: str, source: Optional[np.ndarray]):
         """A new shared array; filled from ``source`` when given, else zeroed."""
+        base, _ = default_base()
         with self.lock:
-            if self.folder is None:
-                self.folder = TempFolder()
-            pair = self.folder.pair
+            if base not in self.folders:
+                self.folders[base] = TempFolder(base)
+            pair = self.folders[base].pair
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if source is not None and nbytes:
             ref, _ = dump_array(pair, source, SHARED, "r+")  # C or F order, as the source is
@@ -110,6 +113,8 @@ def _strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tuple[int, ..
 def _check_shape(shape: ShapeLike) -> Tuple[int, ...]:
     if isinstance(shape, numbers.Integral):
         shape = (int(shape),)
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"shape={shape!r} must be an int or a sequence of ints")
     try:
         dims = tuple(shape)
     except TypeError:
