@@ -64,6 +64,6 @@ def test_dask_backend_passes_through():
             # joblib registers "dask" when a parallel_config names it.
             out = Parallel()(delayed(np.sum)(np.full(10, i)) for i in range(4))
             shared = memshare.share(np.arange(6.0))
-            total = Parallel(backend="dask")(delayed(np.sum)(shared) for _ in range(2))
+            total = Parallel()(delayed(np.sum)(shared) for _ in range(2))
     assert [int(x) for x in out] == [0, 10, 20, 30]
     assert total == [15.0, 15.0]
