@@ -50,9 +50,7 @@ def worker_pid(_):
 @pytest.mark.parametrize("n_jobs", [1, 2, -1, -2])
 @pytest.mark.parametrize("verbose", [0, 60])
 def test_results_equal_the_list_comprehension(n_jobs, verbose, capsys):
-    assert Parallel(n_jobs=n_jobs, verbose=verbose)(delayed(square)(i) for i in range(20)) == [
-        i * i for i in range(20)
-    ]
+    assert Parallel(n_jobs=n_jobs, verbose=verbose)(delayed(square)(i) for i in range(20)) == [i * i for i in range(20)]
 
 
 def test_lambdas_kwargs_and_large_arrays(shm_dir):

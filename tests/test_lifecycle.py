@@ -117,7 +117,10 @@ def test_small_tmpfs_results_fall_back_too(small_tmpfs, monkeypatch):
 def test_parent_sigkilled_mid_call_leaves_nothing(tmp_path):
     base = tmp_path / "killed"
     child = subprocess.Popen(
-        [sys.executable, "-c", """
+        [
+            sys.executable,
+            "-c",
+            """
 import time, numpy as np
 from memshare import Parallel, delayed
 def slow(x):
@@ -125,7 +128,8 @@ def slow(x):
 if __name__ == "__main__":
     data = np.ones(300_000)
     Parallel(n_jobs=2)(delayed(slow)(data) for _ in range(2))
-"""],
+""",
+        ],
         env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
     )
     try:

@@ -59,7 +59,9 @@ def test_random_forest_and_permutation_importance_match_joblib(data):
 
 def test_dask_backend_passes_through():
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster:
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None
+    ) as cluster:
         with distributed.Client(cluster), joblib.parallel_config(backend="dask"):
             # joblib registers "dask" when a parallel_config names it.
             out = Parallel()(delayed(np.sum)(np.full(10, i)) for i in range(4))
