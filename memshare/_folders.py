@@ -52,7 +52,7 @@ class SharedMemoryFallbackWarning(UserWarning):
 def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
     """The folder under which memshare folders go, and why it was chosen."""
     if explicit is not None:
-        return explicit, "the temp_folder argument"
+        return os.path.abspath(explicit), "the temp_folder argument"
     for variable in (ENV_TEMP_FOLDER, ENV_JOBLIB_TEMP_FOLDER):
         value = os.environ.get(variable)
         if value:
@@ -65,8 +65,11 @@ def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
 def fallback_base(primary_base: str) -> Optional[str]:
     """The disk location used when ``primary_base`` is full, if it differs."""
     disk = tempfile.gettempdir()
+    existing = os.path.abspath(primary_base)
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)  # the base may not be created yet
     try:
-        if os.stat(disk).st_dev == os.stat(primary_base).st_dev:
+        if os.stat(disk).st_dev == os.stat(existing).st_dev:
             return None
     except OSError:
         return None
