@@ -81,7 +81,7 @@ def machine_description(argv: Sequence[str]) -> List[str]:
     except OSError:
         pass
     shm = shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else 0
-    command = " ".join(shlex.quote(a) for a in argv)
+    command = " ".join([argv[0]] + [shlex.quote(a) for a in argv[1:]]) if argv else ""
     return [
         f"- CPU: {cpu}, {os.cpu_count()} cores",
         f"- RAM: {format_size(_meminfo('MemTotal'))}, /dev/shm: {format_size(shm)}",
