@@ -73,6 +73,11 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self._executor = None
         self._session: Optional[Session] = None
         self._n_jobs = 1
+        # Incremented by abort_everything. A task submitted before an abort
+        # must never report to joblib afterwards: joblib resets its per-call
+        # flags before it changes the call id, and a late error arriving in
+        # that window would be charged to the next call of a managed context.
+        self._epoch = 0
 
     def effective_n_jobs(self, n_jobs) -> int:
         n_jobs = _check_n_jobs(n_jobs)
@@ -128,13 +133,17 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         task = session.pack_task(func)
         future = self._executor.submit(run_task, task)
         future.memshare_session = session
-        token = task.token
+        token, epoch = task.token, self._epoch
 
         def release_then_report(done):
             # An infrastructure failure (dead worker, shutdown) brings no
             # outcome back: release the task's files here.
             if done.cancelled() or done.exception() is not None:
                 session.task_done(token)
+            if epoch != self._epoch:
+                if not done.cancelled() and done.exception() is None:
+                    session.task_done(token)  # aborted: nobody will read the outcome
+                return
             if callback is not None:
                 callback(done)
 
@@ -165,6 +174,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
 
     def abort_everything(self, ensure_ready=True) -> None:
         """Stop the call's remaining tasks by killing the workers, as joblib's loky backend does."""
+        self._epoch += 1
         if self._executor is not None:
             self._executor.shutdown(wait=True, kill_workers=True)
         self._executor = None

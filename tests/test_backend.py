@@ -82,11 +82,6 @@ def test_exceptions_keep_their_type(exc):
         Parallel(n_jobs=2)(delayed(fail)(exc) for _ in range(3))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, under investigation: the call after an error in a managed context sometimes re-raises "
-    "the previous call's error (seen once in CI, not reproduced locally)",
-)
 @pytest.mark.parametrize("exc", [CustomError("boom"), ZeroDivisionError("zero")])
 def test_managed_context_stays_usable_after_an_error(exc):
     with Parallel(n_jobs=2) as parallel:
