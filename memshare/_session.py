@@ -36,7 +36,6 @@ Early deletion
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 import weakref
@@ -52,7 +51,7 @@ from ._folders import TempFolder
 from ._mapping import map_file, view_of
 from ._reducers import InputPolicy, ResultSpec, pack
 from ._refs import DUMP, ArrayRef
-from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, logger, record_finished
+from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
 from ._worker import Outcome, Task, restore
 
 _COMPARE_BYTES = 16 * 1024**2
@@ -85,7 +84,11 @@ class Session:
         self._tokens = itertools.count(1)
         self._generation = 0
         self._packing: Optional[List[str]] = None  # files of the task being packed
-        self._logged: set = set()
+        # Arrays already counted (and logged) as referenced or pickled, so that
+        # the figures and the log name each array once however many tasks use it.
+        # Keyed by id() with a weak reference to tell a reused id from the same
+        # array (ndarrays are unhashable, so no WeakSet).
+        self._seen: Dict[int, weakref.ref] = {}
         self._closed = False
         self._results = ResultSpec(self.folder.pair, settings.max_nbytes)
 
@@ -143,12 +146,21 @@ class Session:
             # A view of one of this session's dumps (sent from a nested call).
             self._use(self._by_path[ref.path])
             return
-        self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
-        self._log_once(REFERENCED, array, ref.path)
+        if self._first_sight(array):
+            self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
+            log_decision(REFERENCED, array, ref.path)
 
     def _on_pickled(self, array: np.ndarray) -> None:
-        self.stats.add(arrays_pickled=1)
-        self._log_once(PICKLED, array, "")
+        if self._first_sight(array):
+            self.stats.add(arrays_pickled=1)
+            log_decision(PICKLED, array, "in the task payload")
+
+    def _first_sight(self, array: np.ndarray) -> bool:
+        known = self._seen.get(id(array))
+        if known is not None and known() is array:
+            return False
+        self._seen[id(array)] = weakref.ref(array)
+        return True
 
     def _dump(self, array: np.ndarray) -> ArrayRef:
         entry = self._by_id.get(id(array))
@@ -185,13 +197,6 @@ class Session:
         entry.pending += 1
         if self._packing is not None:
             self._packing.append(entry.ref.path)
-
-    def _log_once(self, decision: str, array: np.ndarray, where: str) -> None:
-        if not logger.isEnabledFor(logging.DEBUG):
-            return
-        if id(array) not in self._logged:
-            self._logged.add(id(array))
-            log_decision(decision, array, where)
 
     # -- lifetimes -------------------------------------------------------------
 

@@ -26,7 +26,11 @@ PICKLED = "pickled"
 
 @dataclass
 class CallStats:
-    """Figures of one pool or call (a managed context counts as one)."""
+    """Figures of one pool or call (a managed context counts as one).
+
+    Arrays are counted once each, however many tasks use them; ``tasks``
+    counts submitted tasks (joblib batches count as one task each).
+    """
 
     arrays_dumped: int = 0
     bytes_dumped: int = 0

@@ -32,7 +32,7 @@ from loky.process_executor import ShutdownExecutorError, TerminatedWorkerError
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._session import Session
-from ._stats import enable_logging
+from ._stats import CallStats, enable_logging, record_finished
 from ._worker import run_task
 
 BACKEND_NAME = "memshare"
@@ -107,6 +107,9 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
+            # Nothing crosses a process boundary: the call shares nothing, and
+            # last_call_stats() must say so rather than show an older call.
+            record_finished(CallStats())
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         if verbose:
             enable_logging()

@@ -14,6 +14,7 @@ the parent dies.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Sized
@@ -121,21 +122,41 @@ class MemmappingPool(Pool):
     def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
         return self._map(func, iterable, chunksize, callback, error_callback, star=True)
 
-    def map(self, func, iterable, chunksize=None):
+    def map(self, func, iterable, chunksize=None, progress=False):
+        """``Pool.map``; ``progress=True`` shows a tqdm bar on stderr."""
+        if progress:
+            return self._with_progress(func, iterable, chunksize, star=False)
         return self.map_async(func, iterable, chunksize).get()
 
-    def starmap(self, func, iterable, chunksize=None):
+    def starmap(self, func, iterable, chunksize=None, progress=False):
+        """``Pool.starmap``; ``progress=True`` shows a tqdm bar on stderr."""
+        if progress:
+            return self._with_progress(func, iterable, chunksize, star=True)
         return self.starmap_async(func, iterable, chunksize).get()
 
-    def imap(self, func, iterable, chunksize=1):
+    def imap(self, func, iterable, chunksize=1, progress=False):
+        """``Pool.imap``; with ``progress=True`` the result is a generator that drives a tqdm bar."""
         self._check_usable()
         self._session.new_generation()
-        return super().imap(run_task, self._lazy(func, iterable), chunksize)
+        results = super().imap(run_task, self._lazy(func, iterable), chunksize)
+        return _progress(results, _length(iterable)) if progress else results
 
-    def imap_unordered(self, func, iterable, chunksize=1):
+    def imap_unordered(self, func, iterable, chunksize=1, progress=False):
+        """``Pool.imap_unordered``; ``progress=True`` as for :meth:`imap`."""
         self._check_usable()
         self._session.new_generation()
-        return super().imap_unordered(run_task, self._lazy(func, iterable), chunksize)
+        results = super().imap_unordered(run_task, self._lazy(func, iterable), chunksize)
+        return _progress(results, _length(iterable)) if progress else results
+
+    def _with_progress(self, func, iterable, chunksize, star):
+        # Per-task completion is only visible through imap; the chunking and
+        # ordering of map are kept.
+        self._check_usable()
+        self._session.new_generation()
+        tasks = _PackedTasks(self._session, func, list(iterable), star)
+        if chunksize is None:
+            chunksize = max(1, len(tasks) // (4 * self._processes) + bool(len(tasks) % (4 * self._processes)))
+        return list(_progress(super().imap(run_task, tasks, chunksize), len(tasks)))
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
         self._check_usable()
@@ -234,6 +255,20 @@ class MemmappingPool(Pool):
                     result._set(0, (False, error))
             except (KeyError, IndexError, TypeError):
                 pass  # finished concurrently
+
+
+def _length(iterable: Any) -> Optional[int]:
+    return len(iterable) if hasattr(iterable, "__len__") else None
+
+
+def _progress(results: Iterable, total: Optional[int]) -> Iterator:
+    """Yield ``results`` while a tqdm bar on stderr counts them."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, file=sys.stderr, unit="task", desc="memshare", dynamic_ncols=True) as bar:
+        for result in results:
+            bar.update(1)
+            yield result
 
 
 def _restore_message(session: Session, message: Any) -> Any:
