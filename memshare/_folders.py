@@ -334,7 +334,10 @@ def folder_size(path: str) -> int:
 
 
 def sweep_dead_owners(bases, dry_run: bool = False) -> List[Tuple[str, int]]:
-    """Remove the folders of owners that no longer exist; return (path, bytes)."""
+    """Remove the folders of owners that no longer exist; return (path, bytes) of those removed.
+
+    A folder that could not be removed is not reported (it is still there).
+    """
     removed = []
     for path, owner in list_folders(bases):
         if owner.is_alive():
@@ -342,6 +345,8 @@ def sweep_dead_owners(bases, dry_run: bool = False) -> List[Tuple[str, int]]:
         size = folder_size(path)
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)
+            if os.path.lexists(path):
+                continue
         removed.append((path, size))
     return removed
 

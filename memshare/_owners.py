@@ -24,17 +24,21 @@ FOLDER_PREFIX = "memshare-"
 _NAME_PATTERN = re.compile(r"^memshare-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})(?:-disk)?$")
 
 
+_HAVE_PROC = os.path.isdir("/proc/self")
+
+
 def process_start_time(pid: int) -> Optional[int]:
     """The start time of ``pid`` as an integer token, or None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        # Fields after "(comm)" start at field 3 ("state"); starttime is field 22.
-        return int(fields[19])
-    except FileNotFoundError:
-        return None
-    except OSError:
-        pass
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            # Fields after "(comm)" start at field 3 ("state"); starttime is field 22.
+            return int(fields[19])
+        except FileNotFoundError:
+            return None  # with /proc mounted, a missing entry means no such process
+        except (OSError, IndexError, ValueError):
+            pass
     try:
         import psutil
 
