@@ -194,3 +194,15 @@ def test_no_resource_tracker_noise_on_stderr():
     )
     for word in ("resource_tracker", "leaked", "KeyError", "FileNotFoundError", "Traceback"):
         assert word not in result.stderr, result.stderr
+
+
+def thread_limits(_):
+    return os.environ.get("OMP_NUM_THREADS"), os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+def test_blas_and_openmp_thread_limits_in_workers():
+    expected = str(max(os.cpu_count() // 2, 1))
+    if "OMP_NUM_THREADS" in os.environ:
+        expected = os.environ["OMP_NUM_THREADS"]  # joblib keeps an explicit parent setting
+    limits = set(Parallel(n_jobs=2)(delayed(thread_limits)(i) for i in range(4)))
+    assert {omp for omp, _ in limits} == {expected}

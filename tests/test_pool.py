@@ -178,3 +178,21 @@ def test_killed_worker_fails_pending_tasks_promptly(shm_dir):
         with pytest.raises(memshare.WorkerDiedError, match="create a new one"):
             pool.apply_async(add, (2, 3))  # broken: says so instead of hanging
     assert memshare_entries(shm_dir) == []  # terminate() did not hang, and cleaned up
+
+
+def read_global(_):
+    return INITIALISED.get("value"), os.getpid()
+
+
+INITIALISED = {}
+
+
+def initialise(value):
+    INITIALISED["value"] = value
+
+
+def test_initializer_and_maxtasksperchild(shm_dir):
+    with MemmappingPool(2, initializer=initialise, initargs=(7,), maxtasksperchild=2) as pool:
+        out = pool.map(read_global, range(12), chunksize=1)
+    assert {value for value, _ in out} == {7}
+    assert len({worker for _, worker in out}) > 2  # workers were replaced after 2 tasks each
