@@ -51,7 +51,7 @@ from ._dumping import dump_array
 from ._folders import TempFolder
 from ._mapping import map_file, view_of
 from ._reducers import InputPolicy, ResultSpec, pack
-from ._refs import DUMP, ArrayRef
+from ._refs import DUMP, SHARED, ArrayRef
 from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
 from ._worker import Outcome, Task, restore
 
@@ -86,6 +86,11 @@ class Session:
         self._tokens = itertools.count(1)
         self._generation = 0
         self._packing: Optional[List[str]] = None  # files of the task being packed
+        # Shared arrays each pending task references, kept alive until the task
+        # is done: their file is deleted when the last view dies, and a worker
+        # may not have mapped it yet.
+        self._held: Dict[int, List[np.ndarray]] = {}
+        self._packing_held: List[np.ndarray] = []
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
         # Keyed by id() with a weak reference to tell a reused id from the same
@@ -113,15 +118,17 @@ class Session:
         with self._lock:
             self._check_open()
             token = next(self._tokens)
-            self._packing = files = []
+            self._packing, self._packing_held = files, held = [], []
             try:
                 stream = pack((func, args, kwargs or {}), policy)
             except BaseException:
                 self._release(files)
                 raise
             finally:
-                self._packing = None
+                self._packing, self._packing_held = None, []
             self._task_files[token] = files
+            if held:
+                self._held[token] = held
             self.stats.add(tasks=1, bytes_pickled=len(stream))
         return Task(token, stream, self._results)
 
@@ -138,6 +145,7 @@ class Session:
         """The task ``token`` will not read its inputs any more (done or abandoned)."""
         with self._lock:
             files = self._task_files.pop(token, None)
+            self._held.pop(token, None)
             if files:
                 self._release(files)
 
@@ -148,6 +156,8 @@ class Session:
             # A view of one of this session's dumps (sent from a nested call).
             self._use(self._by_path[ref.path])
             return
+        if ref.kind == SHARED:
+            self._packing_held.append(array)
         if self._first_sight(array):
             self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
             log_decision(REFERENCED, array, ref.path)
@@ -294,6 +304,7 @@ class Session:
             self._by_path.clear()
             self._idle.clear()
             self._task_files.clear()
+            self._held.clear()
         self.folder.remove()
         record_finished(self.stats)
 

@@ -108,3 +108,22 @@ def test_file_removed_after_a_parent_crash(tmp_path):
     while time.monotonic() < deadline and base.exists() and os.listdir(base):
         time.sleep(0.1)
     assert not base.exists() or os.listdir(base) == []
+
+
+def slow_sum(x):
+    import time
+
+    time.sleep(0.5)
+    return float(x.sum())
+
+
+def test_deleting_a_shared_array_mid_call_is_safe(shm_dir):
+    def make_tasks():
+        shared = memshare.full(300_000, 1.0)
+        for _ in range(4):
+            yield delayed(slow_sum)(shared[::2])
+        del shared  # the caller's last reference goes while tasks are pending
+
+    assert Parallel(n_jobs=2, pre_dispatch="all")(make_tasks()) == [150_000.0] * 4
+    gc.collect()
+    assert files_under(shm_dir) == []
