@@ -101,13 +101,16 @@ def restore(outcome: Outcome):
     return False, exc
 
 
-def watch_parent(interval: float = 0.5) -> None:
-    """Exit this worker when its parent process dies.
+def watch_parent(parent: int, interval: float = 0.5) -> None:
+    """Exit this worker when its parent process ``parent`` dies.
 
     Pool workers block reading a pipe whose write end their siblings also
-    hold, so they would never notice an orphaning on their own.
+    hold, and busy workers finish their task first, so neither would notice
+    an orphaning promptly on their own. The parent's pid is passed in rather
+    than read here: a parent killed while the worker starts must still count.
     """
-    parent = os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
 
     def _watch() -> None:
         while True:

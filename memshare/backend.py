@@ -33,7 +33,7 @@ from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._session import Session
 from ._stats import CallStats, enable_logging, record_finished
-from ._worker import run_task
+from ._worker import run_task, watch_parent
 
 BACKEND_NAME = "memshare"
 
@@ -125,7 +125,11 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
     def _get_executor(self):
         env = self._prepare_worker_env(n_jobs=self._n_jobs)
         env.setdefault(_LEAK_VARIABLE, os.environ.get(_LEAK_VARIABLE, _NO_LEAK_LIMIT))
-        return loky.get_reusable_executor(self._n_jobs, timeout=self._timeout, env=env)
+        # watch_parent: a worker busy in a long task would otherwise outlive a
+        # parent that was killed, holding its mappings until the task ends.
+        return loky.get_reusable_executor(
+            self._n_jobs, timeout=self._timeout, env=env, initializer=watch_parent, initargs=(os.getpid(),)
+        )
 
     def start_call(self) -> None:
         if self._session is not None:

@@ -14,6 +14,7 @@ the parent dies.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -29,8 +30,8 @@ from ._worker import Outcome, run_task, watch_parent
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
 
 
-def _worker_init(initializer: Optional[Callable], initargs: tuple) -> None:
-    watch_parent()
+def _worker_init(parent: int, initializer: Optional[Callable], initargs: tuple) -> None:
+    watch_parent(parent)
     if initializer is not None:
         initializer(*initargs)
 
@@ -91,7 +92,9 @@ class MemmappingPool(Pool):
         self._stopping = False
         self._broken: Optional[BaseException] = None
         try:
-            super().__init__(processes, _worker_init, (initializer, tuple(initargs)), maxtasksperchild, context)
+            super().__init__(
+                processes, _worker_init, (os.getpid(), initializer, tuple(initargs)), maxtasksperchild, context
+            )
         except BaseException:
             self._session.close()
             raise

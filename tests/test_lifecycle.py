@@ -8,6 +8,7 @@ import time
 import warnings
 
 import numpy as np
+import psutil
 import pytest
 from conftest import files_under, memshare_entries, run_script
 
@@ -137,12 +138,16 @@ if __name__ == "__main__":
         while time.monotonic() < deadline and not files_under(base if base.exists() else tmp_path):
             time.sleep(0.1)
         assert files_under(base), "the call never dumped its array"
+        descendants = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+        assert len(descendants) >= 3  # two workers and the watchdog, at least
         child.kill()
         child.wait()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and memshare_entries(base):
+        while time.monotonic() < deadline and (memshare_entries(base) or any(_alive(p) for p in descendants)):
             time.sleep(0.1)
         assert memshare_entries(base) == []
+        survivors = [(p, open(f"/proc/{p}/cmdline").read()[:80]) for p in descendants if _alive(p)]
+        assert not survivors, f"processes of the dead parent are still running: {survivors}"
     finally:
         if child.poll() is None:
             child.kill()
@@ -201,3 +206,51 @@ def test_non_ascii_and_long_temp_paths(tmp_path, name):
     assert "300000.0" in result.stdout and result.stderr.strip() == ""
     assert memshare_entries(base) == []
     del data
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_pool_parent_sigkilled_leaves_nothing_and_workers_exit(tmp_path, method):
+    base = tmp_path / "killed-pool"
+    pids_file = tmp_path / "pids"
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"""
+import os, time, multiprocessing as mp, numpy as np
+from memshare import MemmappingPool
+def slow(x):
+    time.sleep(60)
+def pid(_):
+    time.sleep(0.2)
+    return os.getpid()
+if __name__ == "__main__":
+    pool = MemmappingPool(2, context=mp.get_context({method!r}))
+    pids = set(pool.map(pid, range(4), chunksize=1))
+    open({str(pids_file)!r}, "w").write(" ".join(map(str, pids)))
+    pool.map(slow, [np.ones(300_000)] * 2)
+"""],
+        env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (base.exists() and files_under(base)):
+            time.sleep(0.1)
+        assert files_under(base), "the pool never dumped its array"
+        workers = [int(p) for p in pids_file.read_text().split()]
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (memshare_entries(base) or any(_alive(p) for p in workers)):
+            time.sleep(0.1)
+        assert memshare_entries(base) == []
+        assert not any(_alive(p) for p in workers), "orphaned workers did not exit"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
