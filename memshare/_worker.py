@@ -14,7 +14,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
+from ._owners import process_start_time
 from ._reducers import ResultPolicy, ResultSpec, pack, unpack
 
 
@@ -101,21 +103,33 @@ def restore(outcome: Outcome):
     return False, exc
 
 
-def watch_parent(parent: int, interval: float = 0.5) -> None:
-    """Exit this worker when its parent process ``parent`` dies.
+def watch_parent(parent: int, parent_start: Optional[int], interval: float = 0.5) -> None:
+    """Exit this worker when the process that owns it (pid ``parent``) dies.
 
     Pool workers block reading a pipe whose write end their siblings also
     hold, and busy workers finish their task first, so neither would notice
-    an orphaning promptly on their own. The parent's pid is passed in rather
-    than read here: a parent killed while the worker starts must still count.
+    an orphaning promptly on their own. The owner is identified by pid and
+    start time, passed in rather than read here: a parent killed while the
+    worker starts must still count, and under forkserver the owner is not
+    the worker's parent process at all.
     """
-    if os.getppid() != parent:
+
+    def owner_gone() -> bool:
+        return process_start_time(parent) != parent_start
+
+    if owner_gone():
         os._exit(1)
 
     def _watch() -> None:
         while True:
             time.sleep(interval)
-            if os.getppid() != parent:
+            if owner_gone():
                 os._exit(1)
 
     threading.Thread(target=_watch, name="memshare-parent-watch", daemon=True).start()
+
+
+def owner_identity() -> Tuple[int, Optional[int]]:
+    """The (pid, start time) that workers of this process should watch."""
+    pid = os.getpid()
+    return pid, process_start_time(pid)

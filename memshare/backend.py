@@ -33,7 +33,7 @@ from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._session import Session
 from ._stats import CallStats, enable_logging, record_finished
-from ._worker import run_task, watch_parent
+from ._worker import owner_identity, run_task, watch_parent
 
 BACKEND_NAME = "memshare"
 
@@ -128,7 +128,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         # watch_parent: a worker busy in a long task would otherwise outlive a
         # parent that was killed, holding its mappings until the task ends.
         return loky.get_reusable_executor(
-            self._n_jobs, timeout=self._timeout, env=env, initializer=watch_parent, initargs=(os.getpid(),)
+            self._n_jobs, timeout=self._timeout, env=env, initializer=watch_parent, initargs=owner_identity()
         )
 
     def start_call(self) -> None:

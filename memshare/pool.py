@@ -14,7 +14,6 @@ the parent dies.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -25,13 +24,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._session import Session
-from ._worker import Outcome, run_task, watch_parent
+from ._worker import Outcome, owner_identity, run_task, watch_parent
 
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
 
 
-def _worker_init(parent: int, initializer: Optional[Callable], initargs: tuple) -> None:
-    watch_parent(parent)
+def _worker_init(owner: tuple, initializer: Optional[Callable], initargs: tuple) -> None:
+    watch_parent(*owner)
     if initializer is not None:
         initializer(*initargs)
 
@@ -93,7 +92,7 @@ class MemmappingPool(Pool):
         self._broken: Optional[BaseException] = None
         try:
             super().__init__(
-                processes, _worker_init, (os.getpid(), initializer, tuple(initargs)), maxtasksperchild, context
+                processes, _worker_init, (owner_identity(), initializer, tuple(initargs)), maxtasksperchild, context
             )
         except BaseException:
             self._session.close()

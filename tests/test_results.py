@@ -23,20 +23,19 @@ def head_view(x):
     return x[:1000]
 
 
-def rss_anon():
+def own_memory():
+    """This process's resident anonymous plus shared-memory pages.
+
+    Per process rather than the machine's Shmem, which other processes move.
+    An unlinked tmpfs file's pages are freed when its last mapping goes, and
+    the worker wrote the result with write() and kept no mapping.
+    """
+    total = 0
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def shmem_bytes():
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 @pytest.mark.parametrize("dtype", ["f8", ">i4", "c16"])
@@ -60,17 +59,19 @@ def test_nested_containers_and_dataframes(shm_dir):
 
 
 def test_memory_is_released_when_the_result_is_deleted(monkeypatch):
-    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)  # the real /dev/shm: Shmem counts it
+    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)  # the real /dev/shm: RssShmem counts it
     nbytes = 256 * 1024**2
     with MemmappingPool(1) as pool:
-        before = rss_anon() + shmem_bytes()
+        before = own_memory()
         result = pool.apply(np.ones, (nbytes // 8,))
         assert result.sum() == nbytes // 8
-        held = rss_anon() + shmem_bytes() - before
+        held = own_memory() - before
         folder = pool.temp_folder
         assert not os.path.isdir(folder) or os.listdir(folder) == []  # the name was removed at once
         del result
-        released = rss_anon() + shmem_bytes() - before
+        released = own_memory() - before
+        with open("/proc/self/maps") as maps:
+            assert folder not in maps.read()  # no mapping of the result file is left
     assert held > 0.8 * nbytes  # measured, not assumed: the result really was here
     assert released < 0.2 * nbytes
 
