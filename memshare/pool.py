@@ -90,6 +90,12 @@ class MemmappingPool(Pool):
         self._session = Session(settings)  # before Pool.__init__: _setup_queues uses it
         self._stopping = False
         self._broken: Optional[BaseException] = None
+        # Every worker ever started, recorded by Process() below. The pool's own
+        # thread drops exited workers from its list at once (and starts
+        # replacements), so a worker that starts and dies between two looks at
+        # that list would go unnoticed and its task would hang forever.
+        self._started: list = []
+        self._started_lock = threading.Lock()
         try:
             super().__init__(
                 processes, _worker_init, (owner_identity(), initializer, tuple(initargs)), maxtasksperchild, context
@@ -99,6 +105,12 @@ class MemmappingPool(Pool):
             raise
         self._monitor = threading.Thread(target=self._watch_workers, name="memshare-pool-monitor", daemon=True)
         self._monitor.start()
+
+    def Process(self, ctx, *args, **kwds):  # noqa: N802 (Pool's name)
+        process = super().Process(ctx, *args, **kwds)
+        with self._started_lock:
+            self._started.append(process)
+        return process
 
     def __del__(self) -> None:
         # Pool.__del__ reads attributes that do not exist when __init__
@@ -219,18 +231,16 @@ class MemmappingPool(Pool):
 
     def _watch_workers(self) -> None:
         """Fail pending results promptly when a worker dies abruptly."""
-        # The pool's own thread removes exited workers from its list at once,
-        # so remember every worker seen and read exit codes from our copy.
-        known: dict = {}
         while not self._stopping:
             time.sleep(_MONITOR_INTERVAL)
-            for process in list(self._pool):
-                known.setdefault(process.pid, process)
+            with self._started_lock:
+                known = {process.pid: process for process in self._started}
             for worker_pid, process in list(known.items()):
                 code = process.exitcode
                 if code is None:
                     continue
-                del known[worker_pid]
+                with self._started_lock:
+                    self._started.remove(process)
                 if code == 0 or self._stopping:
                     continue  # a normal exit (maxtasksperchild, shutdown)
                 # An idle worker blocks in the task queue's read lock; killed

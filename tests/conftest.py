@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -47,3 +48,27 @@ def run_script(code: str, timeout: float = 120, env=None, check=True) -> subproc
     if check and result.returncode != 0:
         raise AssertionError(f"script failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def _mount_tmpfs(path, size: str) -> int:
+    """Mount a tmpfs of ``size`` at ``path``; return 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
+        return ctypes.get_errno()
+    return 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 MB tmpfs, like Docker's default /dev/shm (root only; CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 64 MB tmpfs to simulate Docker's /dev/shm needs root (CI runs as root)")
+    mount_point = tmp_path / "small-shm"
+    mount_point.mkdir()
+    error = _mount_tmpfs(mount_point, "64m")
+    if error:
+        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -6,7 +6,6 @@ mount a test starts is cleaned up by the test itself.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import faulthandler
 import os
@@ -127,13 +126,6 @@ def first_or_die(x, i):
     return i
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MemmappingPool's monitor learns of workers only by sampling self._pool every _MONITOR_INTERVAL; "
-    "a worker that starts and dies between two samples (a task crashing at once on a fresh pool, or on a "
-    "worker that just replaced one retired by maxtasksperchild) is removed from _pool by Pool's own handler "
-    "before the monitor ever sees it, so its task's result never arrives and get() hangs forever",
-)
 @pytest.mark.parametrize("case", ["fresh-pool", "maxtasksperchild"])
 def test_pool_worker_crashing_as_soon_as_it_starts(shm_dir, monkeypatch, case):
     # A slower poll makes the race deterministic; with the real 0.1 s interval
@@ -385,28 +377,6 @@ def test_stderr_stays_quiet(tmp_path, name):
 
 
 # -- 4. the tmpfs fills up from another thread ----------------------------------
-
-
-def _mount_tmpfs(path, size):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
-        return ctypes.get_errno()
-    return 0
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 64 MB tmpfs to simulate Docker's /dev/shm needs root (CI runs as root)")
-    mount_point = tmp_path / "small-shm"
-    mount_point.mkdir()
-    error = _mount_tmpfs(mount_point, "64m")
-    if error:
-        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 class _Filler(threading.Thread):

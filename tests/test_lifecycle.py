@@ -1,6 +1,5 @@
 """Lifecycle, crash safety, a small /dev/shm, security."""
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -76,28 +75,6 @@ def test_full_shm_falls_back_to_disk_with_one_warning(tmp_path, monkeypatch):
     with pytest.raises(SharedMemoryFullError, match="no room for a"):
         FolderPair(str(primary), None).create_file(1000, "dump")
     assert os.listdir(primary) == []  # nothing partial left
-
-
-def _mount_tmpfs(path, size):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
-        return ctypes.get_errno()
-    return 0
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 64 MB tmpfs to simulate Docker's /dev/shm needs root (CI runs as root)")
-    mount_point = tmp_path / "small-shm"
-    mount_point.mkdir()
-    error = _mount_tmpfs(mount_point, "64m")
-    if error:
-        pytest.skip(f"mount not permitted here (errno {error})")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_small_tmpfs_falls_back_cleanly_and_no_worker_dies(small_tmpfs, monkeypatch):
@@ -213,7 +190,10 @@ def test_pool_parent_sigkilled_leaves_nothing_and_workers_exit(tmp_path, method)
     base = tmp_path / "killed-pool"
     pids_file = tmp_path / "pids"
     child = subprocess.Popen(
-        [sys.executable, "-c", f"""
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, time, multiprocessing as mp, numpy as np
 from memshare import MemmappingPool
 def slow(x):
@@ -226,7 +206,8 @@ if __name__ == "__main__":
     pids = set(pool.map(pid, range(4), chunksize=1))
     open({str(pids_file)!r}, "w").write(" ".join(map(str, pids)))
     pool.map(slow, [np.ones(300_000)] * 2)
-"""],
+""",
+        ],
         env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
     )
     try:
