@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from .memory import MemorySampler
-from .workloads import CONTENDERS, PICKLING, make_workloads
+from .workloads import CONTENDERS, LIMIT_PARTS, PICKLING, make_workloads
 
 GiB = 1 << 30
 MiB = 1 << 20
 QUICK_SIZE = 8 * MiB
-DEFAULT_WORKLOADS = "abcdefgh"
+DEFAULT_WORKLOADS = "abcdefghi"
+LOOP_WORKLOAD = "i"  # the shared-array loop: per-call overheads and memory per call against the data size
 STAT_KEYS = ("bytes_dumped", "dump_seconds", "arrays_referenced", "results_by_reference", "arrays_pickled")
 
 
@@ -138,7 +139,11 @@ def run_benchmark(
     progress: bool = True,
     memory_mode: str = "tree",
 ) -> Report:
-    """Run the chosen workloads (keys ``a``-``h``) for each contender ``repeats`` times, interleaved."""
+    """Run the chosen workloads (keys ``a``-``i``) for each contender ``repeats`` times, interleaved.
+
+    Workloads with ``limit_bytes`` also time the parts of memshare's limit (:data:`LIMIT_PARTS`: one write of
+    the data to /dev/shm, one first touch of it in a worker) in the same rotation as the contenders.
+    """
     from tqdm import tqdm
 
     import memshare
@@ -160,6 +165,8 @@ def run_benchmark(
             print(f"note: workload ({workload.key}) skipped: {reason}", file=sys.stderr)
             continue
         names = [c for c in workload.contenders if c in contenders]
+        if workload.limit_bytes is not None and "memshare" in names:
+            names += list(LIMIT_PARTS)
         jobs_values = workload.n_jobs_values or (n_jobs,)
         if quick:
             jobs_values = tuple(j for j in jobs_values if j <= 2) or (1,)
@@ -189,14 +196,15 @@ def run_benchmark(
                         bar.set_description(f"({workload.key}) {name} n_jobs={jobs} #{repeat + 1}")
                         with workload.session(data, name, jobs if name != "serial" else 1) as run:
                             result, seconds, peak = _time_one(run, memory_mode)
-                        correct = workload.check(result, expected)
+                        correct = True if name in LIMIT_PARTS else workload.check(result, expected)
                         del result
                         if not correct:
                             report.notes.append(f"({workload.key}) {name} n_jobs={jobs}: WRONG RESULT")
                         stats = {}
-                        # With n_jobs=1 joblib runs sequentially without the backend, so the figures would be stale.
-                        if name == "memshare" and jobs > 1:
-                            stats = {k: v for k, v in memshare.last_call_stats().items() if k in STAT_KEYS}
+                        # A sequential call (n_jobs=1) resets the figures to zeros, so they are never stale.
+                        if name.startswith("memshare"):
+                            figures = memshare.last_call_stats() or {}
+                            stats = {k: v for k, v in figures.items() if k in STAT_KEYS}
                         report.measurements.append(Measurement(workload.key, name, jobs, seconds, peak, correct, stats))
                         bar.update(1)
             del data, expected
@@ -220,6 +228,8 @@ def summarize(report: Report) -> List[Dict[str, Any]]:
     rows = []
     for key, ms in groups.items():
         workload, jobs, contender = key
+        if contender in LIMIT_PARTS:
+            continue
         ref = (workload, jobs, "joblib")
         rows.append(
             {
@@ -239,6 +249,84 @@ def summarize(report: Report) -> List[Dict[str, Any]]:
     order = {c: i for i, c in enumerate(CONTENDERS)}
     rows.sort(key=lambda r: (r["workload"], r["n_jobs"], order.get(r["contender"], 99)))
     return rows
+
+
+def _median(report: Report, workload: str, jobs: int, contender: str) -> Optional[float]:
+    times = [
+        m.seconds for m in report.measurements if (m.workload, m.n_jobs, m.contender) == (workload, jobs, contender)
+    ]
+    return statistics.median(times) if times else None
+
+
+def limit_rows(report: Report) -> List[Dict[str, Any]]:
+    """memshare against its limit: serial / workers + one write of the data + one first touch per worker.
+
+    Each part is the median of its own measurements in this run. Workers are capped at the core count
+    (8 workers on 2 cores cannot divide the serial time by 8). The n_jobs sweep (h) reuses the parts timed
+    for (a), the same workload; at n_jobs=1 the limit is the serial time (nothing to send).
+    """
+    cores = os.cpu_count() or 1
+    rows = []
+    keys = sorted({(m.workload, m.n_jobs) for m in report.measurements if m.contender in LIMIT_PARTS})
+    if any(m.workload == "h" for m in report.measurements) and any(w == "a" for w, _ in keys):
+        keys += sorted({("h", m.n_jobs) for m in report.measurements if m.workload == "h"})
+    for workload, jobs in keys:
+        # The sweep (h) is workload (a) at several n_jobs: its parts are those timed for (a).
+        source, source_jobs = (workload, jobs) if workload != "h" else ("a", next(j for w, j in keys if w == "a"))
+        serial = _median(report, source, source_jobs, "serial")
+        write = _median(report, source, source_jobs, "shm-write")
+        touch = _median(report, source, source_jobs, "first-touch")
+        if serial is None or write is None or touch is None:
+            continue
+        workers = min(jobs, cores)
+        limit = serial if jobs == 1 else serial / workers + write + touch
+        row = {
+            "workload": workload,
+            "n_jobs": jobs,
+            "workers": workers,
+            "serial": serial,
+            "write": write,
+            "touch": touch,
+            "limit": limit,
+        }
+        for contender in ("memshare", "joblib"):
+            t = _median(report, workload, jobs, contender)
+            row[contender] = t
+            row[contender + "_ratio"] = t / limit if t is not None and limit > 0 else None
+        rows.append(row)
+    return rows
+
+
+def loop_rows(report: Report) -> List[Dict[str, Any]]:
+    """Workload (i): per-call overhead (time - serial time of the same calls) / calls, and memory / data."""
+    calls = 10
+    serial = _median(report, LOOP_WORKLOAD, report.n_jobs, "serial")
+    groups = {k: v for k, v in _groups(report).items() if k[0] == LOOP_WORKLOAD}
+    rows = []
+    for (_, jobs, contender), ms in groups.items():
+        median = statistics.median(m.seconds for m in ms)
+        memory = statistics.median(m.peak_extra_bytes for m in ms)
+        overhead = None if serial is None or contender == "serial" else (median - serial) / calls
+        rows.append(
+            {
+                "contender": contender,
+                "n_jobs": jobs,
+                "median": median,
+                "overhead": overhead,
+                "memory": memory,
+                "memory_per_data": memory / report.size if report.size else None,
+            }
+        )
+    joblib_overhead = next((r["overhead"] for r in rows if r["contender"] == "joblib"), None)
+    for r in rows:
+        r["overhead_ratio"] = r["overhead"] / joblib_overhead if r["overhead"] is not None and joblib_overhead else None
+    order = {c: i for i, c in enumerate(CONTENDERS)}
+    rows.sort(key=lambda r: order.get(r["contender"], 99))
+    return rows
+
+
+def _fmt(value: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def markdown_table(report: Report) -> str:
@@ -267,9 +355,48 @@ def markdown_table(report: Report) -> str:
             f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )
+    limits = limit_rows(report)
+    if limits:
+        lines += [
+            "",
+            "memshare against the limit = serial time / workers + one write of the data to /dev/shm + one first "
+            "touch per worker (map a freshly written file of the data's size in a started worker, read every page "
+            "once). Each part is the median of its own runs, interleaved with the contenders above; workers are "
+            "capped at the core count; (h) uses the parts timed for (a); at n_jobs=1 the limit is the serial time. "
+            "For (c) the write and the touch are of the results' total size.",
+            "",
+            "| workload | n_jobs | serial | write | first touch | limit | memshare | memshare / limit "
+            "| joblib / limit |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in limits:
+            lines.append(
+                f"| ({r['workload']}) | {r['n_jobs']} | {r['serial']:.3f} s | {r['write']:.3f} s | {r['touch']:.3f} s "
+                f"| {r['limit']:.3f} s | {_fmt(r['memshare'], '.3f', ' s')} | {_fmt(r['memshare_ratio'], '.2f')} "
+                f"| {_fmt(r['joblib_ratio'], '.2f')} |"
+            )
+    loops = loop_rows(report)
+    if loops:
+        lines += [
+            "",
+            f"Shared-array loop ({LOOP_WORKLOAD}): 10 separate calls. Per-call overhead = (median time - serial "
+            "median of the same 10 passes) / 10. Memory: peak extra over the 10 calls (the shared array existed "
+            "before the baseline and does not count) / the data size.",
+            "",
+            "| contender | n_jobs | median time (10 calls) | per-call overhead | overhead / joblib's "
+            "| peak extra memory | memory / data |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in loops:
+            jobs = "1 (in-process)" if r["contender"] == "serial" else r["n_jobs"]
+            lines.append(
+                f"| {r['contender']} | {jobs} | {r['median']:.3f} s | {_fmt(r['overhead'], '.4f', ' s')} "
+                f"| {_fmt(r['overhead_ratio'], '.3f')} | {format_size(r['memory'])} "
+                f"| {_fmt(r['memory_per_data'], '.2f')} |"
+            )
     lines += ["", "Workloads:", ""]
     lines += [f"- ({k}) {t}" for k, t in report.titles.items()]
-    stats_rows = [r for r in rows if r["contender"] == "memshare" and r["stats"]]
+    stats_rows = [r for r in rows if r["contender"].startswith("memshare") and r["stats"]]
     if stats_rows:
         lines += ["", "memshare.last_call_stats() after the last repeat:", ""]
         for r in stats_rows:
@@ -277,7 +404,7 @@ def markdown_table(report: Report) -> str:
                 f"{k}={format_size(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
                 for k, v in r["stats"].items()
             )
-            lines.append(f"- ({r['workload']}) n_jobs={r['n_jobs']}: {figures}")
+            lines.append(f"- ({r['workload']}) {r['contender']} n_jobs={r['n_jobs']}: {figures}")
     if report.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"

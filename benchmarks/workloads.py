@@ -18,15 +18,23 @@ the harness skips them when that would exceed a budget.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import multiprocessing as mp
 import operator
+import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-CONTENDERS: Tuple[str, ...] = ("memshare", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
+BASE_CONTENDERS: Tuple[str, ...] = ("memshare", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
+# "memshare-plain": memshare's Parallel handed a plain np.ndarray where the workload gives memshare a shared array.
+CONTENDERS: Tuple[str, ...] = ("memshare", "memshare-plain", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
 PICKLING = ("joblib-nomemmap", "mp.Pool")
+# Parts of the limit "serial / workers + one write + one first touch", timed in the same run as the contenders.
+LIMIT_PARTS: Tuple[str, ...] = ("shm-write", "first-touch")
+PAGE = mmap.PAGESIZE
 Task = Tuple[Callable[..., Any], tuple]
 
 
@@ -49,6 +57,28 @@ def whole_sum(a: np.ndarray, i: int) -> float:
 def make_full(n: int, value: float) -> np.ndarray:
     """A new array of ``n`` float64 filled with ``value``: a large result that must be created."""
     return np.full(n, value)
+
+
+def touch_pages(path: str) -> int:
+    """Map ``path`` read-only and read one byte of every page once: the page faults of a worker's first touch."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            view = np.frombuffer(m, dtype=np.uint8)
+            total = int(view[::PAGE].sum(dtype=np.int64))
+            del view
+    return total
+
+
+def write_fresh(path: str, buffer: memoryview) -> None:
+    """Write ``buffer`` into a new file with plain ``write()`` calls (as large as the kernel takes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        done = 0
+        while done < len(buffer):
+            done += os.write(fd, buffer[done:])
+    finally:
+        os.close(fd)
 
 
 def fit_grid_search(X: np.ndarray, y: np.ndarray, n_jobs: int, backend: Optional[str], config: dict) -> tuple:
@@ -88,7 +118,7 @@ class Runner:
 
         import memshare
 
-        if self.name == "memshare":
+        if self.name in ("memshare", "memshare-plain"):
             return memshare.Parallel(n_jobs=self.n_jobs, backend="memshare", **extra)
         if self.name == "joblib":
             return joblib.Parallel(n_jobs=self.n_jobs, **extra)
@@ -127,7 +157,7 @@ class Runner:
 
     def managed(self) -> None:
         """Enter ``with Parallel() as p:`` so later calls reuse one managed context (joblib contenders only)."""
-        if self.name in ("memshare", "joblib", "joblib-nomemmap"):
+        if self.name in ("memshare", "memshare-plain", "joblib", "joblib-nomemmap"):
             self._managed = self._parallel()
             self._managed.__enter__()
 
@@ -164,14 +194,17 @@ class Workload:
     ``prepare(size, quick)`` builds the data; ``tasks(data, pickles)`` gives the
     task list (pickling contenders may get slices); ``pickled_bytes(data)`` is what a
     pickling contender would copy per call, for the harness's budget; ``calls`` is
-    how many calls one timed run makes.
+    how many calls one timed run makes. ``select(data, contender)`` picks the data a
+    contender gets (workload (i): a shared array for memshare, a plain one for the others).
+    ``limit_bytes(data)``, when set, is the size written and first-touched by the limit's
+    parts (:data:`LIMIT_PARTS`), which the harness then times along with the contenders.
     """
 
     key: str
     title: str
     prepare: Callable[[int, bool], Any]
     tasks: Callable[[Any, bool], List[Task]]
-    contenders: Tuple[str, ...] = CONTENDERS
+    contenders: Tuple[str, ...] = BASE_CONTENDERS
     pickled_bytes: Callable[[Any], int] = lambda data: 0
     managed_second_call: bool = False
     calls: int = 1
@@ -181,16 +214,22 @@ class Workload:
     custom_run: Optional[Callable[[Any, str, int], Any]] = None
     skip_reason: Callable[[], Optional[str]] = lambda: None
     extra: Dict[str, Any] = field(default_factory=dict)
+    select: Callable[[Any, str], Any] = lambda data, contender: data
+    limit_bytes: Optional[Callable[[Any], int]] = None
 
     def expected(self, data: Any) -> Any:
         """The answer, computed serially outside any timing."""
         if self.custom_run is not None:
             return self.custom_run(data, "serial", 1)
-        return [func(*args) for func, args in self.tasks(data, False)]
+        return [func(*args) for func, args in self.tasks(self.select(data, "serial"), False)]
 
     @contextlib.contextmanager
     def session(self, data: Any, contender: str, n_jobs: int) -> Iterator[Callable[[], Any]]:
         """Live, warmed workers for ``contender``; yields the ``run()`` callable to time."""
+        if contender in LIMIT_PARTS:
+            with _limit_part(self.limit_bytes(data), data, contender) as run:
+                yield run
+            return
         if self.custom_run is not None:
             custom = self.custom_run
             with runner("serial", 1) if contender == "serial" else contextlib.nullcontext():
@@ -198,7 +237,7 @@ class Workload:
                     _warm_backend(contender, n_jobs)
                 yield lambda: custom(data, contender, n_jobs)
             return
-        tasks = self.tasks(data, contender in PICKLING)
+        tasks = self.tasks(self.select(data, contender), contender in PICKLING)
         with runner(contender, n_jobs) as r:
             if self.managed_second_call:
                 r.managed()
@@ -207,6 +246,40 @@ class Workload:
                 yield lambda: r.run(tasks)
             else:
                 yield lambda: [r.run(tasks) for _ in range(self.calls)][-1]
+
+
+@contextlib.contextmanager
+def _limit_part(nbytes: int, data: Any, part: str) -> Iterator[Callable[[], Any]]:
+    """``run()`` for one part of the limit; set-up (buffer, fresh file, warm worker) and clean-up are untimed.
+
+    ``"shm-write"``: write the data (or ``nbytes`` of zeros when the data is not an array) once into a fresh
+    ``/dev/shm`` file. ``"first-touch"``: in a started worker process, map a freshly written file of
+    ``nbytes`` and read every page once.
+    """
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    import tempfile
+
+    path = os.path.join(folder or tempfile.gettempdir(), f"bench-limit-{os.getpid()}-{uuid.uuid4().hex}")
+    if isinstance(data, np.ndarray) and data.nbytes == nbytes and data.flags.c_contiguous:
+        buffer = memoryview(data).cast("B")
+    else:
+        buffer = memoryview(np.zeros(nbytes, dtype=np.uint8))
+    pool = None
+    try:
+        if part == "shm-write":
+            yield lambda: write_fresh(path, buffer)
+        else:
+            pool = mp.get_context("spawn").Pool(1)
+            pool.apply(noop, (0,))
+            write_fresh(path, buffer)
+            del buffer
+            yield lambda: pool.apply(touch_pages, (path,))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _warm_backend(contender: str, n_jobs: int) -> None:
@@ -232,6 +305,18 @@ def _shared_array(size: int, quick: bool) -> Any:
     import memshare
 
     return memshare.share(_array(size, quick))
+
+
+def _plain_and_shared(size: int, quick: bool) -> tuple:
+    """The array twice: plain, and as a shared copy made before any timing (so before the memory baseline)."""
+    import memshare
+
+    plain = _array(size, quick)
+    return plain, memshare.share(plain)
+
+
+def _pick_shared(data: tuple, contender: str) -> np.ndarray:
+    return data[1] if contender == "memshare" else data[0]
 
 
 def _shared_skip() -> Optional[str]:
@@ -269,7 +354,7 @@ def _tiny(size: int, quick: bool) -> int:
 
 
 def make_workloads() -> Dict[str, Workload]:
-    """All workloads by key (a-h)."""
+    """All workloads by key (a-i)."""
     return {
         "a": Workload(
             "a",
@@ -277,6 +362,7 @@ def make_workloads() -> Dict[str, Workload]:
             _array,
             _chunks,
             note="pickling contenders are sent only their chunk",
+            limit_bytes=lambda a: a.nbytes,
         ),
         "b": Workload(
             "b",
@@ -284,12 +370,14 @@ def make_workloads() -> Dict[str, Workload]:
             _array,
             lambda a, pickles: [(whole_sum, (a, i)) for i in range(16)],
             pickled_bytes=lambda a: 16 * a.nbytes,
+            limit_bytes=lambda a: a.nbytes,
         ),
         "c": Workload(
             "c",
             "large results: 8 tasks each return a new array of size/8",
             lambda size, quick: max(8, size // 8 // 8),
             lambda n, pickles: [(make_full, (n, float(i))) for i in range(8)],
+            limit_bytes=lambda n: 8 * n * 8,
         ),
         "d": Workload(
             "d",
@@ -331,5 +419,16 @@ def make_workloads() -> Dict[str, Workload]:
             _chunks,
             contenders=("memshare", "joblib"),
             n_jobs_values=(1, 2, 4, 8),
+        ),
+        "i": Workload(
+            "i",
+            "shared-array loop: 10 separate calls of workload (a) over the same array; memshare gets "
+            "memshare.share(array) (made before the memory baseline), joblib and memshare-plain a plain np.ndarray",
+            _plain_and_shared,
+            _chunks,
+            contenders=("memshare", "memshare-plain", "joblib", "serial"),
+            calls=10,
+            skip_reason=_shared_skip,
+            select=_pick_shared,
         ),
     }

@@ -35,7 +35,7 @@ def _leftovers(pid: int) -> list:
 def _run_quick(command: list, tmp_path) -> subprocess.CompletedProcess:
     """Run a quick benchmark; check that memshare left nothing behind, and remove what joblib left."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = command + ["--size", "8M", "--quick", "--workloads", "acd", "--no-progress"]
+    args = command + ["--size", "8M", "--quick", "--workloads", "acdi", "--no-progress"]
     with subprocess.Popen(
         args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
@@ -62,6 +62,8 @@ def test_quick_benchmark_runs(tmp_path):
     table = result.stdout
     assert "| (a) | memshare |" in table and "| (a) | joblib |" in table
     assert "**NO**" not in table
+    assert "memshare against the limit" in table and "| (a) | 2 |" in table and "| (c) | 2 |" in table
+    assert "Shared-array loop (i)" in table and "| memshare-plain | 2 |" in table
     report = output.read_text()
     assert "Command:" in report and "CPU:" in report and "memshare" in report
 
@@ -73,6 +75,27 @@ def test_memshare_bench_entry_point(tmp_path):
     result = _run_quick([sys.executable, "-c", code], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "memshare" in result.stdout and "joblib" in result.stdout
+
+
+def test_limit_and_loop_rows_arithmetic():
+    """limit = serial / workers (capped at the cores) + write + first touch; loop overhead = (time - serial) / 10."""
+    from benchmarks.harness import Measurement, Report, limit_rows, loop_rows
+
+    report = Report(size=1000, n_jobs=2, repeats=1)
+    parts = [("serial", 1.0), ("shm-write", 0.3), ("first-touch", 0.1), ("memshare", 1.2), ("joblib", 2.0)]
+    for name, seconds in parts:
+        report.measurements.append(Measurement("a", name, 2, seconds, 0, True))
+    for name, seconds, peak in [("serial", 1.0, 0), ("memshare", 1.05, 50), ("joblib", 3.0, 1000)]:
+        report.measurements.append(Measurement("i", name, 2, seconds, peak, True))
+    (row,) = limit_rows(report)
+    assert row["limit"] == pytest.approx(1.0 / min(2, os.cpu_count() or 1) + 0.4)
+    assert row["memshare_ratio"] == pytest.approx(1.2 / row["limit"])
+    loops = {r["contender"]: r for r in loop_rows(report)}
+    assert loops["memshare"]["overhead"] == pytest.approx(0.005)
+    assert loops["joblib"]["overhead"] == pytest.approx(0.2)
+    assert loops["memshare"]["overhead_ratio"] == pytest.approx(0.025)
+    assert loops["memshare"]["memory_per_data"] == pytest.approx(0.05)
+    assert loops["serial"]["overhead"] is None
 
 
 def test_bench_without_harness_explains(monkeypatch, capsys):
