@@ -5,7 +5,10 @@ mapping anew for every task would pay the page faults of the whole input
 again each time. The cache must not outlive the file, or an idle worker
 would pin the memory of a deleted file: a daemon thread checks the cached
 paths every ``PRUNE_INTERVAL`` seconds and drops the mappings whose file is
-gone or was replaced. Copy-on-write mappings (``'c'``) are never cached: a
+gone or was replaced (and every new task prunes first). An idle worker
+would otherwise keep a finished call's deleted dump in memory while the next
+call writes its own: back-to-back calls would hold the data twice. The
+thread sleeps while the cache is empty. Copy-on-write mappings (``'c'``) are never cached: a
 task's private writes must not leak into the next task.
 """
 
@@ -21,7 +24,7 @@ import numpy as np
 
 from ._refs import USER, ArrayRef, kind_of_path
 
-PRUNE_INTERVAL = 0.5  # seconds between checks for deleted files in the cache
+PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 _OPEN_FLAGS = {"r": os.O_RDONLY, "c": os.O_RDONLY, "r+": os.O_RDWR}
 _Key = Tuple[str, int, int, str]
 
@@ -71,6 +74,7 @@ class MappingCache:
         self._lock = threading.Lock()
         self._bases: Dict[_Key, np.memmap] = {}
         self._pruner_started = False
+        self._not_empty = threading.Event()
 
     def array(self, ref: ArrayRef) -> np.memmap:
         if ref.mode == "c":
@@ -83,6 +87,7 @@ class MappingCache:
             base = map_file(ref)
             with self._lock:
                 self._bases[key] = base
+                self._not_empty.set()
                 self._start_pruner()
         return view_of(base, ref)
 
@@ -107,10 +112,11 @@ class MappingCache:
                     stale.append(key)
             except OSError:
                 stale.append(key)
-        if stale:
-            with self._lock:
-                for key in stale:
-                    self._bases.pop(key, None)
+        with self._lock:
+            for key in stale:
+                self._bases.pop(key, None)
+            if not self._bases:
+                self._not_empty.clear()
 
     def _start_pruner(self) -> None:
         if self._pruner_started:
@@ -121,6 +127,7 @@ class MappingCache:
 
     def _prune_forever(self) -> None:
         while True:
+            self._not_empty.wait()
             time.sleep(PRUNE_INTERVAL)
             self.prune()
 
@@ -138,6 +145,11 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def prune_mappings() -> None:
+    """Drop this process's mappings of files that were deleted since."""
+    cache.prune()
 
 
 def array_from_ref(ref: ArrayRef, cached: bool = True) -> np.memmap:

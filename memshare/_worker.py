@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._reducers import ResultPolicy, ResultSpec, pack, unpack
 
@@ -56,6 +57,7 @@ class UnpicklableResultError(RuntimeError):
 def run_task(task: Task) -> Outcome:
     """Run ``task`` in this process; always return an :class:`Outcome`."""
     policy, token = ResultPolicy(task.results), task.token
+    prune_mappings()  # let go of files earlier calls deleted before mapping new ones
     try:
         func, args, kwargs = unpack(task.stream)
         value = func(*args, **kwargs)

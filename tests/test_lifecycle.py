@@ -235,3 +235,24 @@ def _alive(pid):
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def mapped_memshare_files(_=None):
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split(None, 5)[5].strip() for line in maps if "/memshare-" in line})
+
+
+def test_idle_workers_let_go_of_deleted_dumps_promptly(shm_dir):
+    data = np.ones(300_000)
+    first = Parallel(n_jobs=2)(delayed(mapped_memshare_files)(data) for _ in range(4))
+    assert any(first), "workers should have mapped the dump during the call"
+    workers = {p.pid for p in psutil.Process().children(recursive=True) if "loky" in " ".join(p.cmdline())}
+    time.sleep(0.2)  # the pruner checks every 50 ms while it holds mappings
+    leftovers = []
+    for pid in workers:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                leftovers += [line for line in maps if "/memshare-" in line and "dump-" in line]
+        except FileNotFoundError:
+            pass
+    assert workers and leftovers == []
