@@ -9,6 +9,7 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 
 from ._errors import WorkerDiedError
 from ._folders import SharedMemoryFallbackWarning, SharedMemoryFullError
+from ._session import UnpicklableArgumentError
 from ._stats import last_call_stats
 from ._worker import RemoteTraceback, UnpicklableResultError
 from .arrays import empty, full, is_shared, share, zeros
@@ -28,6 +29,7 @@ __all__ = [
     "RemoteTraceback",
     "SharedMemoryFallbackWarning",
     "SharedMemoryFullError",
+    "UnpicklableArgumentError",
     "UnpicklableResultError",
     "WorkerDiedError",
     "__version__",

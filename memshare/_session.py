@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import threading
 import weakref
 from collections import OrderedDict
@@ -121,6 +122,13 @@ class Session:
             self._packing, self._packing_held = files, held = [], []
             try:
                 stream = pack((func, args, kwargs or {}), policy)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                self._release(files)
+                raise UnpicklableArgumentError(
+                    f"memshare: cannot send a call of {_name_of(func)} to a worker process: {exc}. Pass only "
+                    "picklable arguments (locks, open files, generators, sockets and database connections are "
+                    "not), create such objects inside the task, or use backend='threading'."
+                ) from exc
             except BaseException:
                 self._release(files)
                 raise
@@ -307,6 +315,17 @@ class Session:
             self._held.clear()
         self.folder.remove()
         record_finished(self.stats)
+
+
+class UnpicklableArgumentError(pickle.PicklingError, TypeError):
+    """A task's function or arguments cannot be pickled to reach a worker."""
+
+
+def _name_of(func: Any) -> str:
+    items = getattr(func, "items", None)  # a joblib batch: name the function it calls
+    if isinstance(items, list) and items and isinstance(items[0], tuple):
+        func = items[0][0]
+    return getattr(func, "__qualname__", None) or type(func).__name__
 
 
 def _same_rows(array: np.ndarray, stored: np.ndarray, start: int, stop: int) -> bool:

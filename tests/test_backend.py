@@ -206,3 +206,15 @@ def test_blas_and_openmp_thread_limits_in_workers():
         expected = os.environ["OMP_NUM_THREADS"]  # joblib keeps an explicit parent setting
     limits = set(Parallel(n_jobs=2)(delayed(thread_limits)(i) for i in range(4)))
     assert {omp for omp, _ in limits} == {expected}
+
+
+def test_unpicklable_arguments_and_results_give_clear_errors(shm_dir):
+    lock = threading.Lock()
+    with pytest.raises(memshare.UnpicklableArgumentError, match="cannot send a call of square.*picklable"):
+        Parallel(n_jobs=2)(delayed(square)(lock) for _ in range(2))
+    with pytest.raises(TypeError):  # still a TypeError, as pickle's own error is
+        with memshare.MemmappingPool(1) as pool:
+            pool.apply(square, (lock,))
+    with pytest.raises(memshare.UnpicklableResultError, match="cannot be pickled"):
+        Parallel(n_jobs=2)(delayed(threading.Lock)() for _ in range(2))
+    assert memshare_entries(shm_dir) == []
