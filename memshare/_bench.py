@@ -21,6 +21,12 @@ _NOT_FOUND = (
 )
 
 
+_DEFAULT_BYTES = 256 * 1024**2
+# Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop.
+# GridSearchCV (g) and the n_jobs sweep (h) take longer: ask for them with --workloads.
+_DEFAULT_WORKLOADS = "abcdei"
+
+
 def _repo_root() -> Optional[str]:
     """The directory holding both ``memshare/`` and ``benchmarks/``, if this is a clone."""
     package_dir = os.path.dirname(os.path.abspath(__file__))
@@ -43,12 +49,22 @@ def _load_harness():
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the benchmark with command-line options ``argv`` (see ``--help``); return the exit code."""
+    """Run the benchmark with command-line options ``argv`` (see ``--help``); return the exit code.
+
+    Without ``--size``/``--quick`` the array is 256 MiB (or less on a small
+    machine) and without ``--workloads`` the main workloads run, so the
+    default run takes a few minutes.
+    """
     harness = _load_harness()
     if harness is None:
         print(_NOT_FOUND, file=sys.stderr)
         return 2
     argv = list(sys.argv[2:] if argv is None else argv)
+    if not any(arg.startswith(("--size", "--quick")) for arg in argv):
+        # Quick by default (a few minutes): a quarter-size array; --size 1G for the full-size run.
+        argv += ["--size", str(min(_DEFAULT_BYTES, harness.default_size()))]
+    if not any(arg.startswith("--workloads") for arg in argv):
+        argv += ["--workloads", _DEFAULT_WORKLOADS]
     return harness.main(argv, prog="python -m memshare bench", command="python -m memshare bench")
 
 
