@@ -183,6 +183,7 @@ def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[st
 
 
 def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` for ``fd`` now, so that writing can never run out of room."""
     if hasattr(os, "posix_fallocate"):
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -190,9 +191,10 @@ def _reserve(fd: int, nbytes: int) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
                 raise
-    # No fallocate here: the best we can do is check free space first.
-    free = free_bytes(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) if os.path.exists("/proc/self/fd") else ".")
-    if free is not None and free < nbytes:
+    # No fallocate on this system or file system: check the free space instead
+    # (racy, but write() then fails with ENOSPC rather than SIGBUS anyway).
+    info = os.fstatvfs(fd)
+    if info.f_bavail * info.f_frsize < nbytes:
         raise OSError(errno.ENOSPC, "no space left")
     os.ftruncate(fd, nbytes)
 

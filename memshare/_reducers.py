@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -105,8 +104,7 @@ def adopt_result(ref: ArrayRef) -> np.ndarray:
         os.unlink(ref.path)
     except FileNotFoundError:
         pass
-    raw = base.base
-    assert isinstance(raw, mmap.mmap)
+    raw = base.base  # the mmap.mmap under the np.memmap: a plain ndarray over it is no memmap
     return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
 
 

@@ -254,6 +254,8 @@ class MemmappingPool(Pool):
                 self._fail_pending(self._broken)
 
     def _fail_pending(self, error: BaseException) -> None:
+        # The standard result objects have no public way to fail them; _set is
+        # what the pool's own result thread calls, with the same arguments.
         for result in list(self._cache.values()):
             try:
                 if isinstance(result, IMapIterator):
