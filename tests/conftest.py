@@ -23,10 +23,17 @@ def shm_dir(tmp_path, monkeypatch):
 def memshare_entries(base) -> list:
     """Every memshare folder under ``base`` with the files inside it."""
     found = []
-    for entry in sorted(os.listdir(base)):
+    try:
+        entries = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return found
+    for entry in entries:
         if entry.startswith("memshare-"):
             path = os.path.join(base, entry)
-            found.append((entry, sorted(os.listdir(path)) if os.path.isdir(path) else None))
+            try:
+                found.append((entry, sorted(os.listdir(path)) if os.path.isdir(path) else None))
+            except FileNotFoundError:
+                pass  # removed while we looked: a cleanup racing with the check
     return found
 
 
