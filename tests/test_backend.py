@@ -218,3 +218,19 @@ def test_unpicklable_arguments_and_results_give_clear_errors(shm_dir):
     with pytest.raises(memshare.UnpicklableResultError, match="cannot be pickled"):
         Parallel(n_jobs=2)(delayed(threading.Lock)() for _ in range(2))
     assert memshare_entries(shm_dir) == []
+
+
+def write_and_sum(x):
+    x[0] = 1.0  # fails on a read-only mapping
+    return float(x.sum())
+
+
+def test_parallel_config_settings_are_honoured(tmp_path):
+    data = np.zeros(300_000)
+    folder = tmp_path / "from-config"
+    with joblib.parallel_config(temp_folder=str(folder), mmap_mode="c"):
+        assert Parallel(n_jobs=2)(delayed(write_and_sum)(data) for _ in range(2)) == [1.0, 1.0]
+        assert folder.is_dir() and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert data[0] == 0.0  # copy-on-write: the writes stayed in the workers
+    with pytest.raises(ValueError, match="read-only"):
+        Parallel(n_jobs=2)(delayed(write_and_sum)(data) for _ in range(2))  # default 'r'
