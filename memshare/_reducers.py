@@ -33,7 +33,7 @@ import numpy as np
 from ._dumping import dump_array
 from ._folders import FolderPair
 from ._mapping import array_from_ref, map_file
-from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, find_backing
+from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, root_array
 from ._stats import REFERENCED, log_decision
 
 # Reduction used for arrays that travel by value: numpy's own.
@@ -138,8 +138,31 @@ class InputPolicy:
         if self.max_nbytes is None or array.nbytes <= self.max_nbytes:
             self._on_pickled(array)
             return None
-        ref = self._dump(array)
+        ref = self._view_of_dumped_base(array)
+        if ref is None:
+            ref = self._dump(array)
         return _rebuild_input, (ref,)
+
+    def _view_of_dumped_base(self, array: np.ndarray) -> Optional[ArrayRef]:
+        """Send a large view as a view of its dumped base array, if that is better.
+
+        ``delayed(f)(X.T)`` in a loop makes a new view object per task; dumped
+        one by one, each would be written again. When the view covers at least
+        half of a contiguous base, the base is dumped once (deduplicated by its
+        identity, like any array) and every view becomes a reference into it,
+        with its own offset, strides and dtype: the file has the base's exact
+        memory layout. Small views of big arrays are still dumped alone.
+        """
+        base = root_array(array)
+        if base is array or base.dtype.hasobject or 2 * array.nbytes < base.nbytes:
+            return None
+        if type(base) is not np.ndarray or not (base.flags.c_contiguous or base.flags.f_contiguous):
+            return None
+        base_ref = self._dump(base)
+        offset = base_ref.offset + data_address(array) - data_address(base)
+        return dataclasses.replace(
+            base_ref, offset=offset, shape=tuple(array.shape), strides=tuple(array.strides), dtype=array.dtype
+        )
 
 
 @dataclass(frozen=True)

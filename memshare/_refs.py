@@ -51,7 +51,7 @@ def data_address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def _root(array: np.ndarray) -> np.ndarray:
+def root_array(array: np.ndarray) -> np.ndarray:
     """The outermost ndarray in ``array``'s chain of bases."""
     while isinstance(array.base, np.ndarray):
         array = array.base
@@ -77,7 +77,7 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
     ``memoryview`` as ``multiprocessing.shared_memory`` gives (found through
     ``/proc/self/maps``). Returns None for ordinary memory.
     """
-    root = _root(array)
+    root = root_array(array)
     owner = root.base.obj if isinstance(root.base, memoryview) else root.base
     if not isinstance(owner, mmap.mmap):
         return None
