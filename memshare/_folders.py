@@ -139,6 +139,19 @@ class FolderPair:
         parent = os.path.dirname(path)
         return parent == self.primary or parent == self.fallback
 
+    def link_file(self, source: str, prefix: str) -> Optional[str]:
+        """A new name for ``source`` in the primary folder (no copy); None if impossible.
+
+        A hard link works only within one file system; the caller copies then.
+        """
+        ensure_private_dir(self.primary)
+        path = os.path.join(self.primary, f"{prefix}-{secrets.token_hex(8)}.bin")
+        try:
+            os.link(source, path, follow_symlinks=False)
+        except OSError:
+            return None
+        return path
+
     def create_file(self, nbytes: int, prefix: str) -> Tuple[str, int]:
         """Create an exclusive 0600 file with ``nbytes`` reserved; return (path, fd).
 

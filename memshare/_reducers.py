@@ -89,6 +89,13 @@ def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
     return array_from_ref(ref, cached=False)
 
 
+def _owned_here(ref: ArrayRef) -> bool:
+    """True when ``ref`` is a shared array that this process allocated."""
+    from .arrays import lookup_shared  # local: arrays imports this module
+
+    return lookup_shared(ref) is not None
+
+
 def adopt_result(ref: ArrayRef) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
@@ -188,7 +195,11 @@ class ResultPolicy:
         if array.dtype.hasobject or array.nbytes == 0:
             return None
         ref = find_backing(array)
-        if ref is not None and ref.kind in (USER, SHARED):
+        if ref is not None and ref.kind == SHARED and _owned_here(ref):
+            handed = self._hand_over(ref)
+            if handed is not None:
+                return adopt_result, (handed,)
+        elif ref is not None and ref.kind in (USER, SHARED):
             log_decision(REFERENCED, array, ref.path)
             return _rebuild_reference, (ref,)
         # A view of a temporary dump (or of anything else) must come back as
@@ -198,6 +209,19 @@ class ResultPolicy:
         ref, _ = dump_array(self.spec.folder, array, RESULT, "r+")
         self.written.append(ref.path)
         return adopt_result, (ref,)
+
+    def _hand_over(self, ref: ArrayRef) -> Optional[ArrayRef]:
+        """Give the parent a shared array this worker allocated, with no copy.
+
+        The file gets a second name in the call's folder, which the parent
+        adopts like any result file; the worker's own name goes when its
+        array is garbage-collected. Both then map the same pages.
+        """
+        path = self.spec.folder.link_file(ref.path, RESULT)
+        if path is None:
+            return None
+        self.written.append(path)
+        return dataclasses.replace(ref, path=path, kind=RESULT, mode="r+")
 
     def discard_written(self) -> None:
         for path in self.written:

@@ -1,11 +1,12 @@
 """Large results come back through shared memory, with no copy."""
 
 import os
+import time
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import memshare_entries
+from conftest import files_under, memshare_entries
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -110,3 +111,21 @@ def test_a_killed_worker_leaks_nothing(shm_dir):
     with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
         Parallel(n_jobs=2)(delayed(die)(np.ones(300_000)) for _ in range(2))
     assert memshare_entries(shm_dir) == []
+
+
+def allocate_in_worker(n):
+    out = memshare.empty(n)
+    out[:] = 2.0
+    return out, out[::2]
+
+
+def test_shared_arrays_allocated_in_a_worker_are_handed_over_without_a_copy(shm_dir):
+    ((whole, half),) = Parallel(n_jobs=2)(delayed(allocate_in_worker)(400_000) for _ in range(1))
+    assert type(whole) is np.ndarray and whole.flags.writeable and whole.sum() == 800_000.0
+    assert half.shape == (200_000,) and half.strides == (16,)
+    stats = memshare.last_call_stats()
+    assert stats["results_by_reference"] == 2 and stats["arrays_dumped"] == 0
+    half[0] = 5.0
+    assert whole[0] == 5.0  # both views map the same pages, as in the worker
+    time.sleep(0.3)  # the worker's own name goes when its array is collected
+    assert files_under(shm_dir) == []
