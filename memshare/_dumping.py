@@ -39,23 +39,31 @@ def _bytes_of(contiguous: np.ndarray) -> memoryview:
     return memoryview(contiguous.reshape(-1).view(np.uint8))
 
 
-def _write_elements(fd: int, array: np.ndarray) -> Tuple[int, ...]:
-    """Write ``array``'s elements to ``fd``; return the strides they have in the file."""
-    itemsize = array.dtype.itemsize
+def _write_elements(fd: int, array: np.ndarray, order: str) -> Tuple[int, ...]:
+    """Write ``array``'s elements to ``fd`` in ``order``; return their strides in the file.
+
+    ``order`` is ``"K"`` (Fortran order for a Fortran-contiguous array, else
+    C order), ``"C"`` or ``"F"``. Contiguous data in the chosen order is
+    written without a copy, anything else a slab at a time.
+    """
+    if order == "K":
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    if order == "F":
+        # Fortran order of an array is C order of its transpose, same memory.
+        return _write_elements(fd, array.T, "C")[::-1]
     if array.flags.c_contiguous:
         _write_all(fd, _bytes_of(array))
-        return _c_strides(array.shape, itemsize)
-    if array.flags.f_contiguous:
-        _write_all(fd, _bytes_of(array.T))  # the transpose is C-contiguous, same memory
-        return _c_strides(array.shape[::-1], itemsize)[::-1]
-    row_bytes = max(array[0:1].nbytes, 1)
-    step = max(1, _SLAB_BYTES // row_bytes)
-    for start in range(0, array.shape[0], step):
-        _write_all(fd, _bytes_of(np.ascontiguousarray(array[start : start + step])))
-    return _c_strides(array.shape, itemsize)
+    else:
+        step = max(1, _SLAB_BYTES // max(array[0:1].nbytes, 1))
+        for start in range(0, array.shape[0], step):
+            _write_all(fd, _bytes_of(np.ascontiguousarray(array[start : start + step])))
+    return contiguous_strides(array.shape, array.dtype.itemsize, "C")
 
 
-def _c_strides(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
+def contiguous_strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tuple[int, ...]:
+    """The strides of a contiguous array of ``shape`` in ``order`` (``"C"`` or ``"F"``)."""
+    if order == "F":
+        return contiguous_strides(shape[::-1], itemsize, "C")[::-1]
     strides, step = [], itemsize
     for extent in reversed(shape):
         strides.append(step)
@@ -63,15 +71,16 @@ def _c_strides(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str) -> Tuple[ArrayRef, float]:
+def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, order: str = "K") -> Tuple[ArrayRef, float]:
     """Write ``array`` into a new file of ``folder``; return its reference and the seconds taken.
 
+    ``order`` chooses the layout in the file (see ``_write_elements``).
     On any failure the partial file is removed before the error propagates.
     """
     started = time.perf_counter()
     path, fd = folder.create_file(array.nbytes, kind)
     try:
-        strides = _write_elements(fd, array)
+        strides = _write_elements(fd, array, order)
         info = os.fstat(fd)
     except BaseException:
         os.close(fd)

@@ -176,10 +176,15 @@ class Session:
             log_decision(PICKLED, array, "in the task payload")
 
     def _first_sight(self, array: np.ndarray) -> bool:
-        known = self._seen.get(id(array))
+        key = id(array)
+        known = self._seen.get(key)
         if known is not None and known() is array:
             return False
-        self._seen[id(array)] = weakref.ref(array)
+        # The callback keeps the table to live arrays: a long pool session over
+        # many short-lived small arrays must not grow it without bound.
+        self._seen[key] = weakref.ref(
+            array, lambda ref, key=key: self._seen.pop(key, None) if self._seen.get(key) is ref else None
+        )
         return True
 
     def _dump(self, array: np.ndarray) -> ArrayRef:
@@ -311,6 +316,7 @@ class Session:
             self._by_id.clear()
             self._by_path.clear()
             self._idle.clear()
+            self._seen.clear()
             self._task_files.clear()
             self._held.clear()
         self.folder.remove()

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._dumping import dump_array
+from ._dumping import contiguous_strides, dump_array
 from ._folders import TempFolder, default_base
 from ._mapping import map_file
 from ._refs import SHARED, ArrayRef, find_backing
@@ -56,7 +56,7 @@ class _SharedStore:
             pair = self.folders[base].pair
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if source is not None and nbytes:
-            ref, _ = dump_array(pair, source, SHARED, "r+")  # C or F order, as the source is
+            ref, _ = dump_array(pair, source, SHARED, "r+", order)  # no copy when already in order
         else:
             # A fresh reserved tmpfs file is already zeroed: nothing to write.
             # Mapping needs at least one byte, even for an empty array.
@@ -70,7 +70,7 @@ class _SharedStore:
         weakref.finalize(base, _unlink, ref.path, self, ref.inode)
         with self.lock:
             self.bases[ref.path] = (ref.inode, weakref.ref(base))
-        strides = _strides(shape, dtype.itemsize, order)
+        strides = contiguous_strides(shape, dtype.itemsize, order)
         return np.ndarray(shape, dtype, buffer=base, offset=0, strides=strides)
 
     def lookup(self, ref: ArrayRef) -> Optional[np.ndarray]:
@@ -98,16 +98,6 @@ def _unlink(path: str, store: _SharedStore, inode: int) -> None:
 
 
 _store = _SharedStore()
-
-
-def _strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tuple[int, ...]:
-    dims = shape if order == "C" else shape[::-1]
-    strides, step = [], itemsize
-    for extent in reversed(dims):
-        strides.append(step)
-        step *= max(extent, 1)
-    strides = strides[::-1]
-    return tuple(strides if order == "C" else strides[::-1])
 
 
 def _check_shape(shape: ShapeLike) -> Tuple[int, ...]:
@@ -170,9 +160,8 @@ def share(array: Any, order: str = "K") -> np.ndarray:
     if order == "K":
         order = "F" if source.flags.f_contiguous and not source.flags.c_contiguous else "C"
     order = _check_order(order)
-    if order == "F" and not source.flags.f_contiguous:
-        source = np.asfortranarray(source)
-    # dump_array writes any non-contiguous source in C order, slab by slab.
+    # dump_array writes the source in that order, slab by slab when it is not
+    # already contiguous that way: no full-size temporary copy.
     return _store.new_array(tuple(source.shape), source.dtype, order, source)
 
 

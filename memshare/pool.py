@@ -234,8 +234,8 @@ class MemmappingPool(Pool):
         while not self._stopping:
             time.sleep(_MONITOR_INTERVAL)
             with self._started_lock:
-                known = {process.pid: process for process in self._started}
-            for worker_pid, process in list(known.items()):
+                started = list(self._started)
+            for process in started:
                 code = process.exitcode
                 if code is None:
                     continue
@@ -248,7 +248,7 @@ class MemmappingPool(Pool):
                 # receive a task. So the pool is broken, as concurrent.futures
                 # says of its own: fail everything now rather than hang.
                 self._broken = WorkerDiedError(
-                    f"memshare: worker process {worker_pid} {describe_exit(code)}. Its pool cannot run "
+                    f"memshare: worker process {process.pid} {describe_exit(code)}. Its pool cannot run "
                     "tasks any more: terminate it and create a new one."
                 )
                 self._fail_pending(self._broken)

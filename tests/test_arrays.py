@@ -127,3 +127,19 @@ def test_deleting_a_shared_array_mid_call_is_safe(shm_dir):
     assert Parallel(n_jobs=2, pre_dispatch="all")(make_tasks()) == [150_000.0] * 4
     gc.collect()
     assert files_under(shm_dir) == []
+
+
+@pytest.mark.parametrize("order", ["K", "C", "F"])
+@pytest.mark.parametrize("layout", ["C", "F", "strided", "transposed view"])
+def test_share_keeps_values_in_every_requested_order(shm_dir, order, layout):
+    base = np.arange(24.0).reshape(2, 3, 4)
+    source = {
+        "C": base,
+        "F": np.asfortranarray(base),
+        "strided": base[:, ::2],
+        "transposed view": np.arange(24.0).reshape(4, 6)[::2].T,
+    }[layout]
+    shared = memshare.share(source, order=order)
+    np.testing.assert_array_equal(shared, source)
+    assert order != "C" or shared.flags.c_contiguous
+    assert order != "F" or shared.flags.f_contiguous
