@@ -10,13 +10,17 @@ Fortran order (both without a copy); any other layout is written in C order,
 a slab at a time, so that no full-size temporary copy is ever made. Data
 starts at offset 0 of the file, so it is page-aligned (hence 64-byte aligned)
 in every process that maps it.
+
+Results use the same pieces (:func:`iter_pieces`) but are written by
+``_result_files``, which reserves room as it goes and may free each piece of
+the array once it is in the file.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -24,11 +28,14 @@ from ._folders import FolderPair
 from ._refs import ArrayRef
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in
+#: Pieces of contiguous data end on addresses aligned to this size, so that memory
+#: released after each piece (results) holds whole transparent huge pages (2 MiB).
+CHUNK_BYTES = 32 * 1024**2
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_range(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` at ``fd``'s current offset."""
     # write() may write less than asked (at most ~2 GiB per call on Linux).
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     done = 0
     while done < len(view):
         done += os.write(fd, view[done:])
@@ -39,25 +46,40 @@ def _bytes_of(contiguous: np.ndarray) -> memoryview:
     return memoryview(contiguous.reshape(-1).view(np.uint8))
 
 
-def _write_elements(fd: int, array: np.ndarray, order: str) -> Tuple[int, ...]:
-    """Write ``array``'s elements to ``fd`` in ``order``; return their strides in the file.
+def file_order(array: np.ndarray, order: str = "K") -> str:
+    """The layout ``array`` takes in its file: ``"C"`` or ``"F"``.
 
     ``order`` is ``"K"`` (Fortran order for a Fortran-contiguous array, else
-    C order), ``"C"`` or ``"F"``. Contiguous data in the chosen order is
-    written without a copy, anything else a slab at a time.
+    C order), ``"C"`` or ``"F"``.
     """
     if order == "K":
-        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        return "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    return order
+
+
+def iter_pieces(array: np.ndarray, order: str) -> Iterator[Tuple[memoryview, Optional[int]]]:
+    """``array``'s elements in ``order`` (``"C"`` or ``"F"``), as consecutive byte pieces.
+
+    Each piece comes with the address of the array memory it is, or None
+    when it is a temporary copy. Data contiguous in ``order`` is cut, without
+    a copy, into pieces ending on ``CHUNK_BYTES``-aligned addresses; anything
+    else is copied a slab at a time, so no full-size copy is ever made.
+    """
     if order == "F":
         # Fortran order of an array is C order of its transpose, same memory.
-        return _write_elements(fd, array.T, "C")[::-1]
-    if array.flags.c_contiguous:
-        _write_all(fd, _bytes_of(array))
+        yield from iter_pieces(array.T, "C")
+    elif array.flags.c_contiguous:
+        data = _bytes_of(array)
+        address = array.ctypes.data
+        done = 0
+        while done < len(data):
+            end = min(len(data), (address + done) // CHUNK_BYTES * CHUNK_BYTES + CHUNK_BYTES - address)
+            yield data[done:end], address + done
+            done = end
     else:
         step = max(1, _SLAB_BYTES // max(array[0:1].nbytes, 1))
         for start in range(0, array.shape[0], step):
-            _write_all(fd, _bytes_of(np.ascontiguousarray(array[start : start + step])))
-    return contiguous_strides(array.shape, array.dtype.itemsize, "C")
+            yield _bytes_of(np.ascontiguousarray(array[start : start + step])), None
 
 
 def contiguous_strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tuple[int, ...]:
@@ -71,23 +93,10 @@ def contiguous_strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tup
     return tuple(reversed(strides))
 
 
-def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, order: str = "K") -> Tuple[ArrayRef, float]:
-    """Write ``array`` into a new file of ``folder``; return its reference and the seconds taken.
-
-    ``order`` chooses the layout in the file (see ``_write_elements``).
-    On any failure the partial file is removed before the error propagates.
-    """
-    started = time.perf_counter()
-    path, fd = folder.create_file(array.nbytes, kind)
-    try:
-        strides = _write_elements(fd, array, order)
-        info = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    ref = ArrayRef(
+def file_reference(path: str, fd: int, array: np.ndarray, kind: str, mode: str, order: str) -> ArrayRef:
+    """The reference to ``array`` written in ``order`` at offset 0 of the open file ``fd``."""
+    info = os.fstat(fd)
+    return ArrayRef(
         path=path,
         device=info.st_dev,
         inode=info.st_ino,
@@ -95,7 +104,27 @@ def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, orde
         mode=mode,
         offset=0,
         shape=tuple(array.shape),
-        strides=strides,
+        strides=contiguous_strides(array.shape, array.dtype.itemsize, order),
         dtype=array.dtype,
     )
+
+
+def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, order: str = "K") -> Tuple[ArrayRef, float]:
+    """Write ``array`` into a new file of ``folder``; return its reference and the seconds taken.
+
+    ``order`` chooses the layout in the file (see :func:`file_order`).
+    On any failure the partial file is removed before the error propagates.
+    """
+    started = time.perf_counter()
+    order = file_order(array, order)
+    path, fd = folder.create_file(array.nbytes, kind)
+    try:
+        ref = file_reference(path, fd, array, kind, mode, order)
+        for piece, _ in iter_pieces(array, order):
+            write_range(fd, piece)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
     return ref, time.perf_counter() - started

@@ -41,6 +41,10 @@ SHM_ROOT = "/dev/shm"
 _FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+#: errno values meaning that a file system has no room (quotas and file size limits included).
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 class SharedMemoryFullError(OSError):
     """Neither shared memory nor the disk fallback has room for a file."""
 
@@ -185,21 +189,24 @@ def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[st
     try:
         os.fchmod(fd, 0o600)
         if nbytes > 0:
-            _reserve(fd, nbytes)
+            reserve(fd, 0, nbytes)
     except OSError as exc:
         os.close(fd)
         os.unlink(path)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if exc.errno in NO_ROOM_ERRNOS:
             return None
         raise
     return path, fd
 
 
-def _reserve(fd: int, nbytes: int) -> None:
-    """Allocate ``nbytes`` for ``fd`` now, so that writing can never run out of room."""
+def reserve(fd: int, offset: int, nbytes: int) -> None:
+    """Allocate bytes ``[offset, offset + nbytes)`` of ``fd`` now, so that writing them cannot run out of room.
+
+    Raises an OSError with an errno of :data:`NO_ROOM_ERRNOS` when there is no room.
+    """
     if hasattr(os, "posix_fallocate"):
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            os.posix_fallocate(fd, offset, nbytes)
             return
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
@@ -209,7 +216,8 @@ def _reserve(fd: int, nbytes: int) -> None:
     info = os.fstatvfs(fd)
     if info.f_bavail * info.f_frsize < nbytes:
         raise OSError(errno.ENOSPC, "no space left")
-    os.ftruncate(fd, nbytes)
+    if os.fstat(fd).st_size < offset + nbytes:
+        os.ftruncate(fd, offset + nbytes)
 
 
 # Folders already warned about, so that a call warns once and not once per

@@ -21,19 +21,21 @@ and pickle protocol 5.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 import numpy as np
 
-from ._dumping import dump_array
 from ._folders import FolderPair
 from ._mapping import array_from_ref, map_file
 from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, root_array
+from ._release import can_release
+from ._result_files import create_result_file, fill_result_file
 from ._stats import REFERENCED, log_decision
 
 # Reduction used for arrays that travel by value: numpy's own.
@@ -70,8 +72,28 @@ def pack(obj: Any, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) ->
     return buffer.getvalue()
 
 
-def unpack(stream: bytes) -> Any:
-    return pickle.loads(stream)
+def unpack(stream: bytes, moved: Optional[Dict[str, ArrayRef]] = None) -> Any:
+    """Unpickle a payload; ``moved`` is a worker's record of results that moved (see ``ResultPolicy``)."""
+    if not moved:
+        return pickle.loads(stream)
+    return _FollowingMoves(io.BytesIO(stream), moved).load()
+
+
+class _FollowingMoves(pickle.Unpickler):
+    """Unpickles results with :func:`adopt_result` told where moved results are now.
+
+    ``find_class`` is the hook pickle gives for choosing what a global name
+    loads: the payload names ``adopt_result`` and gets it with the moves bound.
+    """
+
+    def __init__(self, file: io.BytesIO, moved: Dict[str, ArrayRef]) -> None:
+        super().__init__(file)
+        self._moved = moved
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == adopt_result.__module__ and name == adopt_result.__name__:
+            return functools.partial(adopt_result, moved=self._moved)
+        return super().find_class(module, name)
 
 
 def _rebuild_input(ref: ArrayRef) -> np.memmap:
@@ -96,14 +118,17 @@ def _owned_here(ref: ArrayRef) -> bool:
     return lookup_shared(ref) is not None
 
 
-def adopt_result(ref: ArrayRef) -> np.ndarray:
+def adopt_result(ref: ArrayRef, moved: Optional[Dict[str, ArrayRef]] = None) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
     From then on the memory lives exactly as long as the returned array (the
     mapping is its base); nothing is left on disk whatever happens next. The
     array is a plain, writable ``np.ndarray``: the mapping is shared but no
-    other process has the file any more.
+    other process has the file any more. ``moved`` maps the paths of results
+    that moved while the worker wrote them to where they are now.
     """
+    if moved:
+        ref = moved.get(ref.path, ref)
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
     base = map_file(dataclasses.replace(ref, mode="r+"))
@@ -183,13 +208,23 @@ class ResultSpec:
 class ResultPolicy:
     """Worker side: how return values travel.
 
-    Records the result files it writes so that they can be removed if
-    pickling the rest of the result fails.
+    Large arrays are not written while the return value is pickled: each
+    gets an empty file and a reference at once, and :meth:`write_pending`
+    writes them once the pickler and the task's own variables are gone. By
+    then memshare often holds the only reference to an array, and its memory
+    can be freed as it is written (see ``_release``).
+
+    Records the files it made, so that they can be removed if anything
+    fails, and the results that moved while written (see ``_result_files``).
     """
 
     def __init__(self, spec: ResultSpec) -> None:
         self.spec = spec
         self.written: List[str] = []
+        self.moved: Dict[str, ArrayRef] = {}
+        # (reference, one-item list holding the array): the list is the only
+        # reference memshare keeps, which _release.can_release relies on.
+        self._pending: List[Tuple[ArrayRef, List[np.ndarray]]] = []
 
     def __call__(self, array: np.ndarray) -> Optional[Reduction]:
         if array.dtype.hasobject or array.nbytes == 0:
@@ -206,9 +241,32 @@ class ResultPolicy:
         # independent memory: the dump is deleted when the call ends.
         if self.spec.max_nbytes is None or array.nbytes <= self.spec.max_nbytes:
             return None
-        ref, _ = dump_array(self.spec.folder, array, RESULT, "r+")
+        ref = create_result_file(self.spec.folder, array)
         self.written.append(ref.path)
+        self._pending.append((ref, [array]))
         return adopt_result, (ref,)
+
+    def write_pending(self) -> None:
+        """Write the arrays of the pickled return value into their files.
+
+        Call it after dropping every other reference to the return value.
+        Each array is let go of as soon as it is written, so the next one
+        is written with it already freed.
+        """
+        pending, self._pending = self._pending, []
+        pending.reverse()  # pop() from the end, in the order they were pickled
+        while pending:
+            ref, box = pending.pop()
+            release = can_release(box)  # before box[0] is read again: that read is one more reference
+            final = fill_result_file(self.spec.folder, ref, box[0], release)
+            box.clear()
+            if final.path != ref.path:
+                self.moved[ref.path] = final
+                self.written.append(final.path)
+
+    def files_sent(self) -> List[str]:
+        """The files the parent will adopt: one per array sent through a file."""
+        return [path for path in self.written if path not in self.moved]
 
     def _hand_over(self, ref: ArrayRef) -> Optional[ArrayRef]:
         """Give the parent a shared array this worker allocated, with no copy.
@@ -224,6 +282,9 @@ class ResultPolicy:
         return dataclasses.replace(ref, path=path, kind=RESULT, mode="r+")
 
     def discard_written(self) -> None:
+        """Remove every file made so far, written or not."""
+        self._pending.clear()
+        self.moved.clear()
         for path in self.written:
             try:
                 os.unlink(path)

@@ -10,6 +10,7 @@ original exception with the worker's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ from typing import Optional, Tuple
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._reducers import ResultPolicy, ResultSpec, pack, unpack
+from ._refs import ArrayRef
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Outcome:
     stream: bytes  # the return value packed with the result policy, or a _Failure
     result_arrays: int = 0  # arrays returned through result files
     result_bytes: int = 0
+    moved: Tuple[Tuple[str, ArrayRef], ...] = ()  # results that moved while written: (first path, where now)
 
 
 class RemoteTraceback(Exception):
@@ -59,28 +62,56 @@ def run_task(task: Task) -> Outcome:
     policy, token = ResultPolicy(task.results), task.token
     prune_mappings()  # let go of files earlier calls deleted before mapping new ones
     try:
-        func, args, kwargs = unpack(task.stream)
-        value = func(*args, **kwargs)
+        value = _call(task.stream)
         ok = True
     except BaseException as exc:  # KeyboardInterrupt too: its type must reach the caller
         ok, value = False, _Failure(exc, traceback.format_exc())
     del task  # drop the input mappings before packing the result
+    what = type(value if ok else value.exception).__name__
     try:
         stream = pack(value, policy)
+        # The pickled value only holds references to result files now. With the
+        # value dropped, memshare's pending list is often the only owner of each
+        # large array, which lets write_pending free them as they are written.
+        del value
+        policy.write_pending()
     except BaseException as exc:
         policy.discard_written()
-        what = "return value" if ok else "exception"
-        error = UnpicklableResultError(
-            f"memshare: the task's {what} ({type(value if ok else value.exception).__name__}) "
-            f"cannot be pickled to send it back: {exc!r}"
-        )
-        ok, stream = False, pack(_Failure(error, traceback.format_exc()), policy)
+        failure = _Failure(_packing_error(exc, ok, what), traceback.format_exc())
+        ok, stream = False, pack(failure, _by_value)  # no files this time: nothing would write them
     return Outcome(
         token=token,
         ok=ok,
         stream=stream,
-        result_arrays=len(policy.written),
-        result_bytes=sum(_size(p) for p in policy.written),
+        result_arrays=len(policy.files_sent()),
+        result_bytes=sum(_size(p) for p in policy.files_sent()),
+        moved=tuple(policy.moved.items()),
+    )
+
+
+def _call(stream: bytes):
+    # A function of its own, so that the function and its arguments are gone
+    # when it returns: a result they still referenced could not be released.
+    func, args, kwargs = unpack(stream)
+    return func(*args, **kwargs)
+
+
+def _by_value(array) -> None:
+    """An array policy that sends every array by value."""
+    return None
+
+
+def _packing_error(exc: BaseException, ok: bool, what: str) -> BaseException:
+    """The error to send when the task's outcome could not be sent back."""
+    if isinstance(exc, OSError):  # no room for a result file, say: that is what the caller should see
+        try:
+            pickle.dumps(exc)
+            return exc
+        except Exception:
+            pass
+    return UnpicklableResultError(
+        f"memshare: the task's {'return value' if ok else 'exception'} ({what}) "
+        f"cannot be pickled to send it back: {exc!r}"
     )
 
 
@@ -94,7 +125,7 @@ def _size(path: str) -> int:
 def restore(outcome: Outcome):
     """In the parent: (True, value) or (False, exception with remote traceback)."""
     try:
-        value = unpack(outcome.stream)
+        value = unpack(outcome.stream, dict(outcome.moved))
     except BaseException as exc:
         return False, exc
     if outcome.ok:

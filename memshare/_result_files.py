@@ -1,0 +1,114 @@
+"""A worker's large results: files made while the value is pickled, filled after.
+
+Two steps, because the best moment to write an array is after the return
+value has been pickled and dropped: memshare then often holds the only
+reference to it, and its memory can be given back piece by piece as it is
+written (``_release``), so the worker never holds the result twice.
+
+Room is reserved a piece at a time, just before each piece is written, and
+not for the whole file at once as for inputs: on tmpfs, reserving allocates
+the pages, so a whole-file reservation would hold the result twice at the
+start of the write whatever is released afterwards. A full file system still
+fails at reservation (never with SIGBUS: the parent maps complete files).
+
+If shared memory fills up midway, because another worker or process took
+the room between two pieces, the result moves: a new file with the whole
+size reserved (in shared memory if room appeared, else in the disk fallback
+with the usual warning, else :class:`SharedMemoryFullError`), the pieces
+already written copied into it, and the rest written from the array, which
+still holds them (a piece is only released once written). The returned
+reference says where the result ended up; the worker sends the moves with
+its outcome and the parent follows them when it adopts the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ._dumping import file_order, file_reference, iter_pieces, write_range
+from ._folders import NO_ROOM_ERRNOS, FolderPair, reserve
+from ._refs import RESULT, ArrayRef
+from ._release import release_pages
+
+
+def create_result_file(folder: FolderPair, array: np.ndarray) -> ArrayRef:
+    """Create an empty file for ``array`` in ``folder`` and return its reference.
+
+    The file is filled later by :func:`fill_result_file`; until then the
+    caller is responsible for removing it.
+    """
+    path, fd = folder.create_file(0, RESULT)
+    try:
+        return file_reference(path, fd, array, RESULT, "r+", file_order(array))
+    finally:
+        os.close(fd)
+
+
+def fill_result_file(folder: FolderPair, ref: ArrayRef, array: np.ndarray, release: bool) -> ArrayRef:
+    """Write ``array`` into the file of ``ref``; return where it ended up.
+
+    With ``release``, each piece of the array's memory is freed once it is
+    in the file, destroying the array: pass it only when
+    ``_release.can_release`` allowed it. The result is ``ref`` itself unless
+    the file had to move (see the module docstring); then the first file is
+    gone, and on failure so is the second. The caller removes ``ref``'s file
+    on failure.
+    """
+    fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    first = ref
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (ref.device, ref.inode):
+            raise FileNotFoundError(f"memshare: result file {ref.path!r} was replaced before it was written")
+        written = 0
+        for piece, address in iter_pieces(array, file_order(array)):
+            try:
+                reserve(fd, written, len(piece))
+                write_range(fd, piece)
+            except OSError as exc:
+                if exc.errno not in NO_ROOM_ERRNOS:
+                    raise
+                moved_fd, moved = _move(folder, fd, ref, written, array.nbytes)
+                old_fd, old_path = fd, ref.path
+                fd, ref = moved_fd, moved
+                os.close(old_fd)
+                os.unlink(old_path)
+                write_range(fd, piece)
+            if release and address is not None:
+                release_pages(address, len(piece))
+            written += len(piece)
+    except BaseException:
+        if ref is not first:
+            os.unlink(ref.path)
+        raise
+    finally:
+        os.close(fd)
+    return ref
+
+
+def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int):
+    """A new file of ``nbytes`` with room reserved, holding the first ``written`` bytes of ``fd``.
+
+    Returns its descriptor, positioned after those bytes, and its reference.
+    Raises :class:`SharedMemoryFullError` when no location has room.
+    """
+    path, new_fd = folder.create_file(nbytes, RESULT)
+    try:
+        copied = 0
+        while copied < written:
+            sent = os.sendfile(new_fd, fd, copied, written - copied)
+            if sent == 0:
+                raise OSError(f"memshare: result file {ref.path!r} is shorter than the {written} bytes written")
+            copied += sent
+        info = os.fstat(new_fd)
+    except BaseException:
+        os.close(new_fd)
+        os.unlink(path)
+        raise
+    return new_fd, dataclasses.replace(ref, path=path, device=info.st_dev, inode=info.st_ino)
+
+
+__all__ = ["create_result_file", "fill_result_file"]

@@ -1,0 +1,209 @@
+"""How a worker writes large results: freeing them as they go, and moving them when room runs out.
+
+These tests run the worker's side (``run_task``) in this process, so that
+they can look at the worker's memory and files directly; the parent's side
+(``restore``) then adopts the results as it would from a real worker.
+"""
+
+import errno
+import os
+import tempfile
+import warnings
+import weakref
+
+import cloudpickle
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import files_under, memshare_entries
+
+import memshare
+import memshare._folders as folders_module
+import memshare._result_files as result_files
+from memshare._dumping import CHUNK_BYTES
+from memshare._folders import FolderPair
+from memshare._owners import Owner, new_folder_name
+from memshare._reducers import ResultSpec
+from memshare._worker import Task, restore, run_task
+
+N = 3 * CHUNK_BYTES // 8 + 1000  # float64 elements: a few pieces, the last one partial
+
+# Arrays a task keeps after returning them, reachable by reference from the worker's module state.
+kept_in_worker = []
+
+
+def ones(n):
+    return np.ones(n)
+
+
+def fortran(n):
+    return np.asfortranarray(np.arange(float(n)).reshape(-1, 8))
+
+
+def frame_and_dict(n):
+    return {"frame": pd.DataFrame({"x": np.arange(float(n))}), "more": [np.full(n, 2.0)]}
+
+
+def kept(n):
+    array = np.full(n, 3.0)
+    kept_in_worker.append(array)
+    return array
+
+
+def weakly_kept(n):
+    array = np.full(n, 3.0)
+    kept_in_worker.append(weakref.ref(array))
+    return array
+
+
+def whole_and_view(n):
+    array = np.full(n, 3.0)
+    return array, array[::2]
+
+
+def view_of_kept(n):
+    array = np.full(n, 3.0)
+    kept_in_worker.append(array)
+    return array[1:]
+
+
+@pytest.fixture
+def folders(tmp_path):
+    name = new_folder_name(Owner.current())  # a real folder name: the parent only adopts files in such folders
+    pair = FolderPair(str(tmp_path / "shm" / name), str(tmp_path / "disk" / f"{name}-disk"))
+    yield pair
+    for folder in (pair.primary, pair.fallback):
+        assert not os.path.isdir(folder) or os.listdir(folder) == [], "a result file was left behind"
+
+
+@pytest.fixture
+def released(monkeypatch):
+    """The lengths of memory the worker gave back, in the order it did."""
+    lengths = []
+    real = result_files.release_pages
+
+    def record(address, length):
+        lengths.append(length)
+        real(address, length)
+
+    monkeypatch.setattr(result_files, "release_pages", record)
+    yield lengths
+    kept_in_worker.clear()
+
+
+def run_in_this_process(folders, func, *args):
+    """Run ``func(*args)`` as a worker would, then adopt its outcome as the parent would."""
+    task = Task(token=1, stream=cloudpickle.dumps((func, args, {})), results=ResultSpec(folders, 1024**2))
+    outcome = run_task(task)
+    ok, value = restore(outcome)
+    if not ok:
+        raise value
+    return outcome, value
+
+
+@pytest.mark.parametrize("func", [ones, fortran, frame_and_dict])
+def test_results_only_memshare_holds_are_freed_as_they_are_written(folders, released, func):
+    outcome, value = run_in_this_process(folders, func, N)
+    assert outcome.result_arrays >= 1
+    assert sum(released) >= 0.99 * outcome.result_bytes  # all but the partial pages at the ends
+    assert max(released) <= CHUNK_BYTES  # piece by piece, not at the end
+    expected = func(N)
+    if isinstance(expected, dict):
+        pd.testing.assert_frame_equal(value["frame"], expected["frame"])
+        np.testing.assert_array_equal(value["more"][0], expected["more"][0])
+    else:
+        assert value.flags.f_contiguous == expected.flags.f_contiguous
+        np.testing.assert_array_equal(value, expected)
+
+
+@pytest.mark.parametrize("func", [kept, weakly_kept, view_of_kept, whole_and_view])
+def test_results_the_worker_can_still_reach_are_left_intact(folders, released, func):
+    outcome, value = run_in_this_process(folders, func, N)
+    assert released == []
+    for item in kept_in_worker:
+        array = item() if isinstance(item, weakref.ref) else item
+        if array is not None:
+            assert array.min() == array.max() == 3.0  # still the worker's data, not zeroed pages
+    for array in value if isinstance(value, tuple) else (value,):
+        assert array.min() == array.max() == 3.0  # the view was written from intact memory
+
+
+def test_the_worker_holds_a_result_about_once_while_writing_it(folders, monkeypatch):
+    """Measured: the worker's private memory plus the result file, at every piece."""
+    samples = []
+    real = result_files.release_pages
+
+    def sample(address, length):
+        real(address, length)
+        files = [os.path.join(folders.primary, name) for name in os.listdir(folders.primary)]
+        samples.append(_rss_anon() + sum(os.stat(path).st_blocks * 512 for path in files))
+
+    monkeypatch.setattr(result_files, "release_pages", sample)
+    nbytes = 8 * CHUNK_BYTES
+    before = _rss_anon()
+    outcome, value = run_in_this_process(folders, ones, nbytes // 8)
+    assert outcome.result_bytes == nbytes and len(samples) >= 8
+    # Written whole and then dropped, it would be 2 x nbytes at the last piece.
+    assert max(samples) - before < nbytes + 2 * CHUNK_BYTES
+    assert value.sum() == nbytes // 8
+
+
+def test_a_result_moves_to_the_fallback_when_room_runs_out_midway(folders, released, monkeypatch):
+    real_reserve = result_files.reserve
+    calls = []
+
+    def full_after_two_pieces(fd, offset, nbytes):
+        calls.append(offset)
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.realpath(folders.primary)) and len(calls) > 2:
+            raise OSError(errno.ENOSPC, "no space left")
+        real_reserve(fd, offset, nbytes)
+
+    monkeypatch.setattr(result_files, "reserve", full_after_two_pieces)
+    monkeypatch.setattr(folders_module, "reserve", full_after_two_pieces)
+    with pytest.warns(memshare.SharedMemoryFallbackWarning, match="written to .* on disk instead"):
+        outcome, value = run_in_this_process(folders, ones, N)
+    assert len(outcome.moved) == 1
+    first, now = outcome.moved[0]
+    assert first.startswith(folders.primary) and now.path.startswith(folders.fallback)
+    np.testing.assert_array_equal(value, np.ones(N))  # the pieces written before the move were copied
+    assert sum(released) >= 0.99 * N * 8  # released before and after the move
+
+
+def test_no_room_anywhere_is_a_clear_error_and_leaves_nothing(folders, released, monkeypatch):
+    def full(fd, offset, nbytes):
+        raise OSError(errno.ENOSPC, "no space left")
+
+    monkeypatch.setattr(result_files, "reserve", full)
+    monkeypatch.setattr(folders_module, "reserve", full)
+    with warnings.catch_warnings():
+        # No fallback warning either: nothing was written anywhere.
+        warnings.simplefilter("error", memshare.SharedMemoryFallbackWarning)
+        with pytest.raises(memshare.SharedMemoryFullError, match="no room for a"):
+            run_in_this_process(folders, ones, N)
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def full_of(n, value):
+    return np.full(n, value)
+
+
+def test_results_bigger_than_a_small_shm_move_to_disk_with_their_values(small_tmpfs, monkeypatch):
+    """Docker's 64 MB /dev/shm: two workers' 48 MB results cannot all fit, so some move midway."""
+    monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
+    n = 48 * 1024**2 // 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", memshare.SharedMemoryFallbackWarning)
+        out = memshare.Parallel(n_jobs=2)(memshare.delayed(full_of)(n, float(i)) for i in range(4))
+    for i, array in enumerate(out):
+        assert array.shape == (n,) and array[0] == array[n // 2] == array[-1] == float(i)
+    assert memshare.last_call_stats()["results_by_reference"] == 4
+    assert files_under(small_tmpfs) == []
+    on_disk = memshare_entries(tempfile.gettempdir())
+    assert [files for entry, files in on_disk if entry.startswith(f"memshare-{os.getpid()}-") and files] == []
