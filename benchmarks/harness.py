@@ -186,10 +186,12 @@ def run_benchmark(
                     if name in active and pickled > pickle_budget:
                         active.remove(name)
                         bar.update(repeats)
-                        report.notes.append(
+                        note = (
                             f"({workload.key}) {name} skipped: it would pickle {format_size(pickled)} per call "
                             f"(budget {format_size(pickle_budget)})"
                         )
+                        if note not in report.notes:  # once, not once per n_jobs value
+                            report.notes.append(note)
                 for repeat in range(repeats):
                     shift = repeat % len(active)
                     for name in active[shift:] + active[:shift]:

@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from ._folders import FolderPair
-from ._refs import ArrayRef
+from ._refs import ArrayRef, data_address
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in
 #: Pieces of contiguous data end on addresses aligned to this size, so that memory
@@ -70,7 +70,7 @@ def iter_pieces(array: np.ndarray, order: str) -> Iterator[Tuple[memoryview, Opt
         yield from iter_pieces(array.T, "C")
     elif array.flags.c_contiguous:
         data = _bytes_of(array)
-        address = array.ctypes.data
+        address = data_address(array)
         done = 0
         while done < len(data):
             end = min(len(data), (address + done) // CHUNK_BYTES * CHUNK_BYTES + CHUNK_BYTES - address)

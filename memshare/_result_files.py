@@ -33,6 +33,8 @@ from ._folders import NO_ROOM_ERRNOS, FolderPair, reserve
 from ._refs import RESULT, ArrayRef
 from ._release import release_pages
 
+_COPY_BYTES = 8 * 1024**2  # block size when copying a moved result's written part
+
 
 def create_result_file(folder: FolderPair, array: np.ndarray) -> ArrayRef:
     """Create an empty file for ``array`` in ``folder`` and return its reference.
@@ -99,10 +101,11 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
     try:
         copied = 0
         while copied < written:
-            sent = os.sendfile(new_fd, fd, copied, written - copied)
-            if sent == 0:
+            block = os.pread(fd, min(_COPY_BYTES, written - copied), copied)
+            if not block:
                 raise OSError(f"memshare: result file {ref.path!r} is shorter than the {written} bytes written")
-            copied += sent
+            write_range(new_fd, memoryview(block))
+            copied += len(block)
         info = os.fstat(new_fd)
     except BaseException:
         os.close(new_fd)

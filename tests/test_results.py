@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pandas as pd
+import psutil
 import pytest
 from conftest import files_under, memshare_entries
 
@@ -129,3 +130,57 @@ def test_shared_arrays_allocated_in_a_worker_are_handed_over_without_a_copy(shm_
     assert whole[0] == 5.0  # both views map the same pages, as in the worker
     time.sleep(0.3)  # the worker's own name goes when its array is collected
     assert files_under(shm_dir) == []
+
+
+def sparse_and_estimator(n):
+    from scipy import sparse
+    from sklearn.linear_model import LinearRegression
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((n, 4))
+    model = LinearRegression().fit(X, X @ np.arange(4.0))
+    model.big_attribute_ = np.arange(float(n))  # fitted attributes can be large arrays
+    matrix = sparse.csr_matrix((np.arange(1.0, n + 1), (np.arange(n), np.arange(n) % 7)), shape=(n, 7))
+    return matrix, model
+
+
+def test_sparse_matrices_and_estimators_come_back_through_files(shm_dir):
+    ((matrix, model),) = Parallel(n_jobs=2)(delayed(sparse_and_estimator)(300_000) for _ in range(1))
+    assert matrix.shape == (300_000, 7) and matrix.sum() == sum(range(1, 300_001))
+    assert type(matrix.data) is np.ndarray and matrix.data.flags.writeable
+    np.testing.assert_allclose(model.coef_, np.arange(4.0), atol=1e-9)
+    np.testing.assert_array_equal(model.big_attribute_, np.arange(300_000.0))
+    # data, indices and the estimator's attribute are large enough to travel as files
+    assert memshare.last_call_stats()["results_by_reference"] >= 3
+    assert memshare_entries(shm_dir) == []
+
+
+BEYOND_4_GIB = 4 * 1024**3 + 3 * 4096 + 5  # odd size: the last piece is partial
+MARKS = [0, 2**31 - 1, 2**31, 2**32 - 1, 2**32, BEYOND_4_GIB - 1]
+
+
+def marked_zeros(nbytes):
+    out = np.zeros(nbytes, dtype=np.uint8)  # calloc: untouched pages cost no memory in the worker
+    for position in MARKS:
+        out[position] = 1 + position % 251
+    return out
+
+
+def _room_for_a_result_beyond_4_gib():
+    need = 2 * BEYOND_4_GIB  # the result in shared memory, and slack for the rest of the machine
+    shm = os.statvfs("/dev/shm")
+    available = psutil.virtual_memory().available
+    if shm.f_bavail * shm.f_frsize < need or available < need:
+        return f"needs {need / 1024**3:.0f} GiB free in memory and in /dev/shm"
+    return None
+
+
+@pytest.mark.skipif(_room_for_a_result_beyond_4_gib() is not None, reason=str(_room_for_a_result_beyond_4_gib()))
+def test_results_larger_than_4_gib(monkeypatch):
+    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)  # the real /dev/shm: the result is RAM-sized
+    (result,) = Parallel(n_jobs=2)(delayed(marked_zeros)(BEYOND_4_GIB) for _ in range(1))
+    assert type(result) is np.ndarray and result.nbytes == BEYOND_4_GIB
+    assert [int(result[p]) for p in MARKS] == [1 + p % 251 for p in MARKS]  # offsets past 2 and 4 GiB are right
+    assert int(np.count_nonzero(result)) == len(MARKS)
+    assert memshare.last_call_stats()["results_by_reference"] == 1
+    del result
