@@ -12,7 +12,8 @@ handed to an *array policy* first:
 * :class:`ResultPolicy`, in a worker, for return values: views of the user's
   own file mappings come back as references to the same memory; other large
   arrays, including views of the call's temporary dumps, are written to a
-  new result file that the parent adopts (see :func:`adopt_result`).
+  new result file that the parent adopts (see :func:`adopt_result`), after
+  the value is pickled (see ``_result_files``).
 
 Payloads (plain ``bytes``) are pickled with cloudpickle (lambdas, functions of ``__main__``)
 and pickle protocol 5.

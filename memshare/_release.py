@@ -17,7 +17,8 @@ again. That destroys the array's contents, so it is only done when:
 * memshare's own reference is the only one (``sys.getrefcount``, calibrated
   below for this interpreter) and no weak reference exists, so no Python
   object can observe the array afterwards;
-* the platform is Linux, where the semantics above hold.
+* the platform is Linux, where the semantics above hold, and the
+  interpreter is CPython, whose reference counts are exact.
 
 Only whole pages strictly inside the array's buffer are released: a
 partial first or last page may hold the allocator's bookkeeping or another
@@ -41,6 +42,8 @@ def _load_madvise():
     """libc's ``madvise``, or None where releasing pages is not supported."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return None
+    if sys.implementation.name != "cpython":
+        return None  # the reference count test below needs CPython's reference counting
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
@@ -61,8 +64,8 @@ def _refcount_of_item(box: List[object]) -> int:
 
 # How many references sys.getrefcount reports for an object held only by a
 # one-item list, read through _refcount_of_item. Measured rather than assumed,
-# because interpreters differ in how they count temporary references.
-_SOLE_REFCOUNT = _refcount_of_item([np.empty(1)])
+# because CPython versions differ in how they count temporary references.
+_SOLE_REFCOUNT = _refcount_of_item([np.empty(1)]) if _MADVISE is not None else -1
 
 
 def can_release(box: List[np.ndarray]) -> bool:
