@@ -1,6 +1,7 @@
 """Large results come back through shared memory, with no copy."""
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -111,6 +112,26 @@ def test_a_killed_worker_leaks_nothing(shm_dir):
 
     with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
         Parallel(n_jobs=2)(delayed(die)(np.ones(300_000)) for _ in range(2))
+    assert memshare_entries(shm_dir) == []
+
+
+def write_result_then_die(n):
+    """Return a large array from a worker that is killed right after writing it, before sending it."""
+    import memshare._reducers as reducers  # the module that calls fill_result_file, in this worker
+
+    real = reducers.fill_result_file
+
+    def fill_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    reducers.fill_result_file = fill_then_die  # the worker dies with the patch
+    return np.ones(n)
+
+
+def test_a_worker_killed_after_writing_a_result_leaks_nothing(shm_dir):
+    with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
+        Parallel(n_jobs=2)(delayed(write_result_then_die)(300_000) for _ in range(1))
     assert memshare_entries(shm_dir) == []
 
 
