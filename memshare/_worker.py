@@ -79,12 +79,13 @@ def run_task(task: Task) -> Outcome:
         policy.discard_written()
         failure = _Failure(_packing_error(exc, ok, what), traceback.format_exc())
         ok, stream = False, pack(failure, _by_value)  # no files this time: nothing would write them
+    sent = policy.files_sent()
     return Outcome(
         token=token,
         ok=ok,
         stream=stream,
-        result_arrays=len(policy.files_sent()),
-        result_bytes=sum(_size(p) for p in policy.files_sent()),
+        result_arrays=len(sent),
+        result_bytes=sum(_size(p) for p in sent),
         moved=tuple(policy.moved.items()),
     )
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -40,6 +41,16 @@ def memshare_entries(base) -> list:
 
 def files_under(base) -> list:
     return [f for _, files in memshare_entries(base) for f in (files or [])]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def run_script(code: str, timeout: float = 120, env=None, check=True) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries, run_script
+from conftest import files_under, memshare_entries, run_script, wait_until
 
 import memshare
 from memshare import Parallel, delayed
@@ -102,11 +102,7 @@ def test_file_removed_after_a_parent_crash(tmp_path):
         env={"MEMSHARE_TEMP_FOLDER": str(base)},
         check=False,
     )
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and base.exists() and os.listdir(base):
-        time.sleep(0.1)
+    wait_until(lambda: not base.exists() or not os.listdir(base), 10, interval=0.1)
     assert not base.exists() or os.listdir(base) == []
 
 

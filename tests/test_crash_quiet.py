@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries
+from conftest import files_under, memshare_entries, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -167,15 +167,6 @@ def _stop(child: subprocess.Popen) -> None:
     child.communicate(timeout=PROMPTLY)
 
 
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def _assert_quiet(stderr: str) -> None:
     found = [word for word in NOISE if word in stderr]
     assert not found, f"stderr mentions {found}:\n{stderr}"
@@ -253,7 +244,7 @@ def test_keyboard_interrupt_mid_call(tmp_path, code):
     base = tmp_path / "interrupted"
     child = _start(code, {"MEMSHARE_TEMP_FOLDER": str(base)})
     try:
-        assert _wait_until(lambda: _files_in(base), 60), "the call never dumped its array"
+        assert wait_until(lambda: _files_in(base), 60), "the call never dumped its array"
         time.sleep(0.3)  # let the workers start on their tasks
         child.send_signal(signal.SIGINT)
         try:
@@ -265,7 +256,7 @@ def test_keyboard_interrupt_mid_call(tmp_path, code):
     assert child.returncode == 0, f"exit {child.returncode}\n{stdout}\n{stderr}"
     assert "INTERRUPTED" in stdout and "OK" in stdout, stdout
     _assert_quiet(stderr)
-    assert _wait_until(lambda: not _entries_in(base), 10), _entries_in(base)
+    assert wait_until(lambda: not _entries_in(base), 10), _entries_in(base)
 
 
 # -- 3. stderr stays quiet ------------------------------------------------------
@@ -373,7 +364,7 @@ def test_stderr_stays_quiet(tmp_path, name):
         _stop(child)
     assert child.returncode == 0 and stdout.strip().endswith("OK"), f"exit {child.returncode}\n{stdout}\n{stderr}"
     _assert_quiet(stderr)
-    assert _wait_until(lambda: not _entries_in(base), 10), _entries_in(base)
+    assert wait_until(lambda: not _entries_in(base), 10), _entries_in(base)
 
 
 # -- 4. the tmpfs fills up from another thread ----------------------------------

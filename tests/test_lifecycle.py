@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import psutil
 import pytest
-from conftest import files_under, memshare_entries, run_script
+from conftest import files_under, memshare_entries, run_script, wait_until
 
 import memshare
 from memshare import Parallel, delayed
@@ -111,17 +111,13 @@ if __name__ == "__main__":
         env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
     )
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not files_under(base if base.exists() else tmp_path):
-            time.sleep(0.1)
+        wait_until(lambda: files_under(base), 60, interval=0.1)
         assert files_under(base), "the call never dumped its array"
         descendants = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
         assert len(descendants) >= 3  # two workers and the watchdog, at least
         child.kill()
         child.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (memshare_entries(base) or any(_alive(p) for p in descendants)):
-            time.sleep(0.1)
+        wait_until(lambda: not memshare_entries(base) and not any(_alive(p) for p in descendants), 10, interval=0.1)
         assert memshare_entries(base) == []
         survivors = [(p, open(f"/proc/{p}/cmdline").read()[:80]) for p in descendants if _alive(p)]
         assert not survivors, f"processes of the dead parent are still running: {survivors}"
@@ -211,16 +207,12 @@ if __name__ == "__main__":
         env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
     )
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (base.exists() and files_under(base)):
-            time.sleep(0.1)
+        wait_until(lambda: files_under(base), 60, interval=0.1)
         assert files_under(base), "the pool never dumped its array"
         workers = [int(p) for p in pids_file.read_text().split()]
         child.kill()
         child.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (memshare_entries(base) or any(_alive(p) for p in workers)):
-            time.sleep(0.1)
+        wait_until(lambda: not memshare_entries(base) and not any(_alive(p) for p in workers), 10, interval=0.1)
         assert memshare_entries(base) == []
         assert not any(_alive(p) for p in workers), "orphaned workers did not exit"
     finally:
