@@ -8,16 +8,20 @@ it is passed.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 #: Modes a worker may map an automatically dumped array with.
 MMAP_MODES = ("r", "r+", "w+", "c")
 
-_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+# A number as float() reads it (joblib's parser uses float() too: "1.5K",
+# "1e3K", "1_000K"), then an optional binary unit with an optional B or iB.
+_SIZE_PATTERN = re.compile(r"^\s*(?P<number>.*?)\s*(?P<unit>[KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 #: Environment variable overriding where the temp folders go.
 ENV_TEMP_FOLDER = "MEMSHARE_TEMP_FOLDER"
@@ -25,35 +29,58 @@ ENV_TEMP_FOLDER = "MEMSHARE_TEMP_FOLDER"
 ENV_JOBLIB_TEMP_FOLDER = "JOBLIB_TEMP_FOLDER"
 
 
-def parse_max_nbytes(value: Union[int, str, None]) -> Optional[int]:
+def parse_max_nbytes(value: Union[int, float, str, None]) -> Optional[int]:
     """Return ``value`` as a number of bytes, or None when dumping is disabled.
 
-    Accepts a non-negative int, a string such as ``"1M"``, ``"10K"``, ``"2G"``
-    (binary units, an optional trailing ``B``/``iB``), or None.
+    The one grammar of every entry point (``MemmappingPool``,
+    ``memshare.Parallel``, the backend): None; a non-negative int or float
+    number of bytes (a fraction is dropped: sizes are whole bytes, so the
+    threshold is the same); or a string: a non-negative number, optionally
+    followed by a unit ``K``, ``M``, ``G`` or ``T`` (binary: 1K = 1024 bytes,
+    any case) and an optional ``B`` or ``iB``, spaces allowed around the
+    parts: ``"1M"``, ``"500K"``, ``"1.5G"``, ``"10 KiB"``, ``"1 GB"``,
+    ``"4096"``, ``"0"``. Every string joblib's ``memstr_to_bytes`` accepts
+    that is not negative reads the same here.
     """
     if value is None:
         return None
     if isinstance(value, bool):
         raise TypeError(_max_nbytes_help(value))
-    if isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, str)):
-        number = int(value)
-        if number < 0:
-            raise ValueError(_max_nbytes_help(value))
-        return number
     if isinstance(value, str):
         match = _SIZE_PATTERN.match(value)
-        if match is None:
+        number = _finite_number(match.group("number")) if match else None
+        if number is not None:
+            number = _finite_number(number * _UNITS[match.group("unit").upper()])
+        if number is None or number < 0:
             raise ValueError(_max_nbytes_help(value))
-        number, unit = match.groups()
-        return int(float(number) * _UNITS[unit.upper()])
-    raise TypeError(_max_nbytes_help(value))
+        return int(number)
+    if isinstance(value, numbers.Integral):
+        number = int(value)
+    elif isinstance(value, numbers.Real):
+        number = _finite_number(value)
+        if number is None:
+            raise ValueError(_max_nbytes_help(value))
+    else:
+        raise TypeError(_max_nbytes_help(value))
+    if number < 0:
+        raise ValueError(_max_nbytes_help(value))
+    return int(number)
+
+
+def _finite_number(text: object) -> Optional[float]:
+    """``text`` as a finite float, or None when it is not one."""
+    try:
+        number = float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _max_nbytes_help(value: object) -> str:
     return (
         f"max_nbytes={value!r} is not a valid size. Pass a non-negative number of bytes "
-        "(e.g. 1048576), a string such as '10K', '1M' or '2G', or None to disable "
-        "dumping arrays to shared memory."
+        "(e.g. 1048576), a string such as '500K', '1M', '1.5G' or '10 KiB' (binary units K, M, G, T "
+        "with an optional B or iB), or None to disable dumping arrays to shared memory."
     )
 
 
@@ -70,12 +97,39 @@ def check_mmap_mode(value: object) -> str:
 
 
 def check_temp_folder(value: object) -> Optional[str]:
-    """Return ``value`` as an absolute path string, or None."""
+    """Return ``value`` as an absolute path string, or None for memshare's default.
+
+    An empty path counts as unset (it would otherwise mean the current
+    directory) and ``~`` is expanded, as for the environment variables.
+    """
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"temp_folder={value!r} must be a path (str or os.PathLike) or None for the default.")
-    return os.path.abspath(os.fspath(value))
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"temp_folder={value!r} must be a str path (not bytes) or None for the default.")
+    return resolve_folder(path)
+
+
+def resolve_folder(path: Optional[str]) -> Optional[str]:
+    """``path`` with ``~`` expanded, made absolute; None when it is None or empty."""
+    if not path:
+        return None
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def folder_from_environment() -> Optional[Tuple[str, str]]:
+    """The folder the environment asks for, and the variable that did; None if neither is set.
+
+    ``MEMSHARE_TEMP_FOLDER`` first, then joblib's ``JOBLIB_TEMP_FOLDER``;
+    an empty variable counts as unset.
+    """
+    for variable in (ENV_TEMP_FOLDER, ENV_JOBLIB_TEMP_FOLDER):
+        path = resolve_folder(os.environ.get(variable))
+        if path is not None:
+            return path, variable
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,7 +147,7 @@ class Settings:
     @classmethod
     def from_user(
         cls,
-        max_nbytes: Union[int, str, None] = "1M",
+        max_nbytes: Union[int, float, str, None] = "1M",
         mmap_mode: str = "r",
         temp_folder: Optional[str] = None,
     ) -> Settings:

@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ._config import ENV_JOBLIB_TEMP_FOLDER, ENV_TEMP_FOLDER
+from ._config import ENV_TEMP_FOLDER, folder_from_environment, resolve_folder
 from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
 from ._watchdog import WatchdogClient
 
@@ -50,17 +50,22 @@ class SharedMemoryFullError(OSError):
 
 
 class SharedMemoryFallbackWarning(UserWarning):
-    """An array went to the disk temp folder because shared memory was full."""
+    """An array took a slower way because shared memory was full.
+
+    It went to the disk temp folder, or, for a result that fitted in no file
+    at all, was pickled back to the parent.
+    """
 
 
 def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
     """The folder under which memshare folders go, and why it was chosen."""
+    explicit = resolve_folder(explicit)
     if explicit is not None:
-        return os.path.abspath(explicit), "the temp_folder argument"
-    for variable in (ENV_TEMP_FOLDER, ENV_JOBLIB_TEMP_FOLDER):
-        value = os.environ.get(variable)
-        if value:
-            return os.path.abspath(value), f"the {variable} environment variable"
+        return explicit, "the temp_folder argument"
+    from_environment = folder_from_environment()
+    if from_environment is not None:
+        path, variable = from_environment
+        return path, f"the {variable} environment variable"
     if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK | os.X_OK):
         return SHM_ROOT, f"{SHM_ROOT} exists and is writable (RAM-backed)"
     return tempfile.gettempdir(), f"{SHM_ROOT} is not usable; using the system temp dir"
@@ -156,21 +161,22 @@ class FolderPair:
             return None
         return path
 
-    def create_file(self, nbytes: int, prefix: str) -> Tuple[str, int]:
+    def create_file(self, nbytes: int, prefix: str, warn: bool = True) -> Tuple[str, int]:
         """Create an exclusive 0600 file with ``nbytes`` reserved; return (path, fd).
 
         The space is reserved up front with ``posix_fallocate``: a tmpfs that
         fills up then fails here with ENOSPC, instead of killing a process
         with SIGBUS when a page is first touched. When the primary location
-        has no room, the file goes to the fallback with a warning; when
+        has no room, the file goes to the fallback with a warning (unless
+        ``warn`` is false: a worker leaves the warning to its parent); when
         neither has, :class:`SharedMemoryFullError` names the sizes.
         """
         attempts = [self.primary] + ([self.fallback] if self.fallback else [])
         for folder in attempts:
             created = _create_reserved(folder, nbytes, prefix)
             if created is not None:
-                if folder != self.primary:
-                    _warn_fallback(self.primary, folder, nbytes)
+                if folder != self.primary and warn:
+                    warn_fallback(self.primary, folder, nbytes)
                 return created
         free = ", ".join(f"{_format_bytes(free_bytes(f))} free in {os.path.dirname(f)}" for f in attempts)
         raise SharedMemoryFullError(
@@ -220,24 +226,45 @@ def reserve(fd: int, offset: int, nbytes: int) -> None:
         os.ftruncate(fd, offset + nbytes)
 
 
-# Folders already warned about, so that a call warns once and not once per
-# array. Process-wide because workers receive a new FolderPair per task.
-_warned_folders: set = set()
+# (folder, what) pairs already warned about, so that a call warns once and not
+# once per array. Process-wide because workers receive a new FolderPair per task.
+_warned: set = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_fallback(primary: str, used: str, nbytes: int) -> None:
+def _first_warning(primary: str, what: str) -> bool:
     with _warned_lock:
-        if primary in _warned_folders:
-            return
-        _warned_folders.add(primary)
+        if (primary, what) in _warned:
+            return False
+        _warned.add((primary, what))
+        return True
+
+
+def warn_fallback(primary: str, used: str, nbytes: int, stacklevel: int = 3) -> None:
+    """Warn, once per folder, that an array of ``nbytes`` went to ``used`` on disk."""
+    if not _first_warning(primary, "disk"):
+        return
     warnings.warn(
         f"memshare: shared memory at {os.path.dirname(primary)} has no room for a "
         f"{_format_bytes(nbytes)} array ({_format_bytes(free_bytes(primary))} free); it was "
         f"written to {os.path.dirname(used)} on disk instead, which is slower. Give shared "
         f"memory more room (docker run --shm-size=2g) or set {ENV_TEMP_FOLDER}.",
         SharedMemoryFallbackWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
+    )
+
+
+def warn_result_pickled(pair: FolderPair, nbytes: int, stacklevel: int = 2) -> None:
+    """Warn, once per folder, that a result of ``nbytes`` fitted in no file and was pickled."""
+    if not _first_warning(pair.primary, "pickled"):
+        return
+    where = " nor ".join(os.path.dirname(f) for f in (pair.primary, pair.fallback) if f)
+    warnings.warn(
+        f"memshare: no room for a {_format_bytes(nbytes)} result in {where}; it was pickled back to "
+        "the parent instead, which is slower and holds it twice for a while. Give shared memory more room "
+        f"(docker run --shm-size=2g), point {ENV_TEMP_FOLDER} at a larger folder, or return smaller arrays.",
+        SharedMemoryFallbackWarning,
+        stacklevel=stacklevel,
     )
 
 

@@ -56,6 +56,12 @@ def view_of(base: np.memmap, ref: ArrayRef) -> np.memmap:
     # Constructing from a buffer does not link the view to its memmap; this
     # public hook copies filename/mode and keeps slices of the view memmaps.
     view.__array_finalize__(base)
+    # The offset and mode of the user's memmap the array views, as numpy
+    # reports them for any slice of it (base is the whole file, from 0).
+    if ref.memmap_offset is not None:
+        view.offset = ref.memmap_offset
+    if ref.memmap_mode is not None:
+        view.mode = ref.memmap_mode
     return view
 
 

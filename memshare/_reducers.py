@@ -27,14 +27,14 @@ import io
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import cloudpickle
 import numpy as np
 
 from ._folders import FolderPair
 from ._mapping import array_from_ref, map_file
-from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, root_array
+from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
 from ._stats import REFERENCED, log_decision
@@ -73,7 +73,12 @@ def pack(obj: Any, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) ->
     return buffer.getvalue()
 
 
-def unpack(stream: bytes, moved: Optional[Dict[str, ArrayRef]] = None) -> Any:
+#: Where results that moved while written are now: a new file, or the array itself,
+#: sent by value because no file had room. Keyed by the path the payload names.
+Moves = Dict[str, Union[ArrayRef, np.ndarray]]
+
+
+def unpack(stream: bytes, moved: Optional[Moves] = None) -> Any:
     """Unpickle a payload; ``moved`` is a worker's record of results that moved (see ``ResultPolicy``)."""
     if not moved:
         return pickle.loads(stream)
@@ -87,7 +92,7 @@ class _FollowingMoves(pickle.Unpickler):
     loads: the payload names ``adopt_result`` and gets it with the moves bound.
     """
 
-    def __init__(self, file: io.BytesIO, moved: Dict[str, ArrayRef]) -> None:
+    def __init__(self, file: io.BytesIO, moved: Moves) -> None:
         super().__init__(file)
         self._moved = moved
 
@@ -119,7 +124,7 @@ def _owned_here(ref: ArrayRef) -> bool:
     return lookup_shared(ref) is not None
 
 
-def adopt_result(ref: ArrayRef, moved: Optional[Dict[str, ArrayRef]] = None) -> np.ndarray:
+def adopt_result(ref: ArrayRef, moved: Optional[Moves] = None) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
     From then on the memory lives exactly as long as the returned array (the
@@ -129,7 +134,10 @@ def adopt_result(ref: ArrayRef, moved: Optional[Dict[str, ArrayRef]] = None) -> 
     that moved while the worker wrote them to where they are now.
     """
     if moved:
-        ref = moved.get(ref.path, ref)
+        now = moved.get(ref.path, ref)
+        if isinstance(now, np.ndarray):
+            return now  # no file had room: it came by value
+        ref = now
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
     base = map_file(dataclasses.replace(ref, mode="r+"))
@@ -144,14 +152,15 @@ def adopt_result(ref: ArrayRef, moved: Optional[Dict[str, ArrayRef]] = None) -> 
 class InputPolicy:
     """Parent side: how task arguments travel (call it on each array).
 
-    ``dump`` is the session's deduplicating writer; ``on_reference`` lets
-    the session count the files each task depends on.
+    ``dump`` is the session's deduplicating writer, given the array and the
+    mode workers must map it with (None: the session's ``mmap_mode``);
+    ``on_reference`` lets the session count the files each task depends on.
     """
 
     def __init__(
         self,
         max_nbytes: Optional[int],
-        dump: Callable[[np.ndarray], ArrayRef],
+        dump: Callable[[np.ndarray, Optional[str]], ArrayRef],
         on_reference: Callable[[ArrayRef, np.ndarray], None],
         on_pickled: Callable[[np.ndarray], None],
     ) -> None:
@@ -159,8 +168,18 @@ class InputPolicy:
         self._dump = dump
         self._on_reference = on_reference
         self._on_pickled = on_pickled
+        #: The error this policy raised (no room for a dump, say), if any: a
+        #: failure of memshare's own, not of pickling the caller's arguments.
+        self.error: Optional[BaseException] = None
 
     def __call__(self, array: np.ndarray) -> Optional[Reduction]:
+        try:
+            return self._reduce(array)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _reduce(self, array: np.ndarray) -> Optional[Reduction]:
         if array.dtype.hasobject or array.nbytes == 0:
             self._on_pickled(array)
             return None
@@ -173,7 +192,7 @@ class InputPolicy:
             return None
         ref = self._view_of_dumped_base(array)
         if ref is None:
-            ref = self._dump(array)
+            ref = self._dump(array, _dump_mode(array))
         return _rebuild_input, (ref,)
 
     def _view_of_dumped_base(self, array: np.ndarray) -> Optional[ArrayRef]:
@@ -191,11 +210,23 @@ class InputPolicy:
             return None
         if type(base) is not np.ndarray or not (base.flags.c_contiguous or base.flags.f_contiguous):
             return None
-        base_ref = self._dump(base)
+        base_ref = self._dump(base, None)
         offset = base_ref.offset + data_address(array) - data_address(base)
         return dataclasses.replace(
             base_ref, offset=offset, shape=tuple(array.shape), strides=tuple(array.strides), dtype=array.dtype
         )
+
+
+def _dump_mode(array: np.ndarray) -> Optional[str]:
+    """The mode workers map ``array``'s dump with, when it is not the session's.
+
+    A copy-on-write memmap is copied (its private pages may differ from its
+    file) and the copy is mapped copy-on-write, as joblib maps the memmap:
+    writable, with writes private to each task.
+    """
+    if is_copy_on_write(array):
+        return "c" if array.flags.writeable else "r"
+    return None
 
 
 @dataclass(frozen=True)
@@ -216,13 +247,17 @@ class ResultPolicy:
     can be freed as it is written (see ``_release``).
 
     Records the files it made, so that they can be removed if anything
-    fails, and the results that moved while written (see ``_result_files``).
+    fails, the results that moved while written (see ``_result_files``), and
+    the sizes of those that went to the disk fallback or by value, for the
+    parent to warn about and count.
     """
 
     def __init__(self, spec: ResultSpec) -> None:
         self.spec = spec
         self.written: List[str] = []
-        self.moved: Dict[str, ArrayRef] = {}
+        self.moved: Moves = {}
+        self.fallback_sizes: List[int] = []  # results written to the disk fallback
+        self.pickled_sizes: List[int] = []  # results sent by value: no file had room
         # (reference, one-item list holding the array): the list is the only
         # reference memshare keeps, which _release.can_release relies on.
         self._pending: List[Tuple[ArrayRef, List[np.ndarray]]] = []
@@ -261,9 +296,14 @@ class ResultPolicy:
             release = can_release(box)  # before box[0] is read again: that read is one more reference
             final = fill_result_file(self.spec.folder, ref, box[0], release)
             box.clear()
-            if final.path != ref.path:
+            if isinstance(final, np.ndarray):
+                self.moved[ref.path] = final
+                self.pickled_sizes.append(final.nbytes)
+            elif final.path != ref.path:
                 self.moved[ref.path] = final
                 self.written.append(final.path)
+                if os.path.dirname(final.path) == self.spec.folder.fallback:
+                    self.fallback_sizes.append(final.nbytes)
 
     def files_sent(self) -> List[str]:
         """The files the parent will adopt: one per array sent through a file."""
@@ -286,6 +326,8 @@ class ResultPolicy:
         """Remove every file made so far, written or not."""
         self._pending.clear()
         self.moved.clear()
+        self.fallback_sizes.clear()
+        self.pickled_sizes.clear()
         for path in self.written:
             try:
                 os.unlink(path)

@@ -41,6 +41,12 @@ class ArrayRef:
     shape: Tuple[int, ...]
     strides: Tuple[int, ...]
     dtype: np.dtype
+    # What the rebuilt np.memmap reports as ``.offset`` and ``.mode``. numpy
+    # gives every slice of a memmap the offset and mode the memmap was opened
+    # with; for a view of the user's own memmap the rebuilt array must report
+    # the same. None for memshare's own files (offset 0, the mapping's mode).
+    memmap_offset: Optional[int] = None
+    memmap_mode: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +62,21 @@ def root_array(array: np.ndarray) -> np.ndarray:
     while isinstance(array.base, np.ndarray):
         array = array.base
     return array
+
+
+def _nearest_memmap(array: np.ndarray) -> Optional[np.memmap]:
+    """The first ``np.memmap`` over a file in ``array``'s chain of bases, itself first."""
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and getattr(array, "filename", None):
+            return array
+        array = array.base
+    return None
+
+
+def is_copy_on_write(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a copy-on-write ``np.memmap`` (``mode="c"``)."""
+    root = root_array(array)
+    return isinstance(root, np.memmap) and root.mode in ("c", "copyonwrite")
 
 
 def kind_of_path(path: str) -> str:
@@ -81,11 +102,15 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
     owner = root.base.obj if isinstance(root.base, memoryview) else root.base
     if not isinstance(owner, mmap.mmap):
         return None
+    memmap_offset = memmap_mode = None
     if isinstance(root, np.memmap) and getattr(root, "filename", None):
         path, root_offset = root.filename, int(root.offset)
-        mode = {"w+": "r+", "readwrite": "r+", "write": "r+", "readonly": "r", "copyonwrite": "c"}.get(
-            root.mode, root.mode
-        )
+        mode = _mapping_mode(root.mode)
+        nearest = _nearest_memmap(array)
+        memmap_offset = int(nearest.offset)
+        # 'w+' is reported as 'r+', as joblib does: reopening a file with
+        # np.memmap(x.filename, mode=x.mode) must not zero it.
+        memmap_mode = _mapping_mode(nearest.mode)
     else:
         located = _locate_mapping(data_address(root))
         if located is None:
@@ -113,6 +138,15 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
         shape=tuple(array.shape),
         strides=tuple(array.strides),
         dtype=array.dtype,
+        memmap_offset=memmap_offset,
+        memmap_mode=memmap_mode,
+    )
+
+
+def _mapping_mode(memmap_mode: str) -> str:
+    """The mode to map a file with for a memmap of ``memmap_mode``: 'r', 'r+' or 'c'."""
+    return {"w+": "r+", "readwrite": "r+", "write": "r+", "readonly": "r", "copyonwrite": "c"}.get(
+        memmap_mode, memmap_mode
     )
 
 

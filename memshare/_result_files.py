@@ -14,22 +14,26 @@ fails at reservation (never with SIGBUS: the parent maps complete files).
 If shared memory fills up midway, because another worker or process took
 the room between two pieces, the result moves: a new file with the whole
 size reserved (in shared memory if room appeared, else in the disk fallback
-with the usual warning, else :class:`SharedMemoryFullError`), the pieces
-already written copied into it, and the rest written from the array, which
-still holds them (a piece is only released once written). The returned
-reference says where the result ended up; the worker sends the moves with
-its outcome and the parent follows them when it adopts the results.
+with the warning left to the parent), the pieces already written copied
+into it, and the rest written from the array, which still holds them (a
+piece is only released once written). When no location has room at all,
+the result is sent by value instead, as joblib sends every result: a copy
+in the worker's memory, made of the pieces already written (read back) and
+the rest of the array. The returned reference (or copy) says where the
+result ended up; the worker sends the moves with its outcome and the parent
+follows them when it adopts the results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional, Union
 
 import numpy as np
 
 from ._dumping import file_order, file_reference, iter_pieces, write_range
-from ._folders import NO_ROOM_ERRNOS, FolderPair, reserve
+from ._folders import NO_ROOM_ERRNOS, FolderPair, SharedMemoryFullError, reserve
 from ._refs import RESULT, ArrayRef
 from ._release import release_pages
 
@@ -49,36 +53,48 @@ def create_result_file(folder: FolderPair, array: np.ndarray) -> ArrayRef:
         os.close(fd)
 
 
-def fill_result_file(folder: FolderPair, ref: ArrayRef, array: np.ndarray, release: bool) -> ArrayRef:
+def fill_result_file(
+    folder: FolderPair, ref: ArrayRef, array: np.ndarray, release: bool
+) -> Union[ArrayRef, np.ndarray]:
     """Write ``array`` into the file of ``ref``; return where it ended up.
 
     With ``release``, each piece of the array's memory is freed once it is
     in the file, destroying the array: pass it only when
     ``_release.can_release`` allowed it. The result is ``ref`` itself unless
     the file had to move (see the module docstring); then the first file is
-    gone, and on failure so is the second. The caller removes ``ref``'s file
-    on failure.
+    gone, and on failure so is the second. When no file had room, the
+    result is a copy of ``array`` to send by value, and the file is gone.
+    The caller removes ``ref``'s file on failure.
     """
     fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     first = ref
+    copy: Optional[np.ndarray] = None  # the result's bytes, once no file has room for them
     try:
         info = os.fstat(fd)
         if (info.st_dev, info.st_ino) != (ref.device, ref.inode):
             raise FileNotFoundError(f"memshare: result file {ref.path!r} was replaced before it was written")
         written = 0
         for piece, address in iter_pieces(array, file_order(array)):
-            try:
-                reserve(fd, written, len(piece))
-                write_range(fd, piece)
-            except OSError as exc:
-                if exc.errno not in NO_ROOM_ERRNOS:
-                    raise
-                moved_fd, moved = _move(folder, fd, ref, written, array.nbytes)
-                old_fd, old_path = fd, ref.path
-                fd, ref = moved_fd, moved
-                os.close(old_fd)
-                os.unlink(old_path)
-                write_range(fd, piece)
+            if copy is not None:
+                copy[written : written + len(piece)] = np.frombuffer(piece, np.uint8)
+            else:
+                try:
+                    reserve(fd, written, len(piece))
+                    write_range(fd, piece)
+                except OSError as exc:
+                    if exc.errno not in NO_ROOM_ERRNOS:
+                        raise
+                    try:
+                        moved_fd, moved = _move(folder, fd, ref, written, array.nbytes)
+                    except SharedMemoryFullError:
+                        copy = _read_back(fd, written, array.nbytes)
+                        copy[written : written + len(piece)] = np.frombuffer(piece, np.uint8)
+                    else:
+                        old_fd, old_path = fd, ref.path
+                        fd, ref = moved_fd, moved
+                        os.close(old_fd)
+                        os.unlink(old_path)
+                        write_range(fd, piece)
             if release and address is not None:
                 release_pages(address, len(piece))
             written += len(piece)
@@ -88,7 +104,23 @@ def fill_result_file(folder: FolderPair, ref: ArrayRef, array: np.ndarray, relea
         raise
     finally:
         os.close(fd)
+    if copy is not None:
+        os.unlink(ref.path)  # no move succeeded: this is the first file, holding the copied pieces
+        return np.ndarray(ref.shape, ref.dtype, buffer=copy, offset=0, strides=ref.strides)
     return ref
+
+
+def _read_back(fd: int, written: int, nbytes: int) -> np.ndarray:
+    """A new buffer of ``nbytes`` starting with the first ``written`` bytes of ``fd``."""
+    copy = np.empty(nbytes, np.uint8)
+    view = memoryview(copy)
+    done = 0
+    while done < written:
+        count = os.preadv(fd, [view[done:written]], done)
+        if count == 0:
+            raise OSError(f"memshare: a result file is shorter than the {written} bytes written")
+        done += count
+    return copy
 
 
 def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int):
@@ -97,7 +129,7 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
     Returns its descriptor, positioned after those bytes, and its reference.
     Raises :class:`SharedMemoryFullError` when no location has room.
     """
-    path, new_fd = folder.create_file(nbytes, RESULT)
+    path, new_fd = folder.create_file(nbytes, RESULT, warn=False)  # the parent warns
     try:
         copied = 0
         while copied < written:

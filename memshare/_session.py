@@ -49,7 +49,7 @@ import numpy as np
 
 from ._config import Settings
 from ._dumping import dump_array
-from ._folders import TempFolder
+from ._folders import TempFolder, warn_fallback, warn_result_pickled
 from ._mapping import map_file, view_of
 from ._reducers import InputPolicy, ResultSpec, pack
 from ._refs import DUMP, SHARED, ArrayRef
@@ -112,8 +112,12 @@ class Session:
     def pack_task(self, func: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Task:
         """Pack a call of ``func`` for a worker, dumping large arrays as needed.
 
-        Raises the pickling error itself (in the caller's thread) for an
-        argument that cannot be pickled.
+        Any failure to pickle the function or an argument (whatever the
+        exception its ``__reduce__`` raised) is raised in the caller's thread
+        as :class:`UnpicklableArgumentError`, the original as its cause, as
+        joblib raises a ``PicklingError``. memshare's own failures while
+        dumping (``SharedMemoryFullError``...) and ``KeyboardInterrupt`` are
+        raised as themselves.
         """
         policy = InputPolicy(self.settings.max_nbytes, self._dump, self._on_reference, self._on_pickled)
         with self._lock:
@@ -122,10 +126,13 @@ class Session:
             self._packing, self._packing_held = files, held = [], []
             try:
                 stream = pack((func, args, kwargs or {}), policy)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            except Exception as exc:
                 self._release(files)
+                if exc is policy.error:
+                    raise
                 raise UnpicklableArgumentError(
-                    f"memshare: cannot send a call of {_name_of(func)} to a worker process: {exc}. Pass only "
+                    f"memshare: cannot send a call of {_name_of(func)} to a worker process: "
+                    f"{type(exc).__name__}: {exc}. Pass only "
                     "picklable arguments (locks, open files, generators, sockets and database connections are "
                     "not), create such objects inside the task, or use backend='threading'."
                 ) from exc
@@ -141,12 +148,25 @@ class Session:
         return Task(token, stream, self._results)
 
     def finish(self, outcome: Outcome) -> Tuple[bool, Any]:
-        """Release a finished task's files and restore its result or exception."""
+        """Release a finished task's files and restore its result or exception.
+
+        The worker leaves warnings about its results to the parent (its own
+        would go to its stderr, out of the caller's ``warnings`` filters):
+        results that went to the disk fallback, or by value, warn here, once
+        per call like inputs, and are counted.
+        """
         self.task_done(outcome.token)
         self.stats.add(
             results_by_reference=outcome.result_arrays,
             bytes_results_by_reference=outcome.result_bytes,
+            fallback_files=len(outcome.fallback_sizes),
+            results_pickled_no_room=len(outcome.pickled_sizes),
         )
+        pair = self.folder.pair
+        if outcome.fallback_sizes and pair.fallback is not None:
+            warn_fallback(pair.primary, pair.fallback, max(outcome.fallback_sizes), stacklevel=2)
+        if outcome.pickled_sizes:
+            warn_result_pickled(pair, max(outcome.pickled_sizes))
         return restore(outcome)
 
     def task_done(self, token: int) -> None:
@@ -187,7 +207,7 @@ class Session:
         )
         return True
 
-    def _dump(self, array: np.ndarray) -> ArrayRef:
+    def _dump(self, array: np.ndarray, mode: Optional[str] = None) -> ArrayRef:
         entry = self._by_id.get(id(array))
         if entry is not None and (entry.source is None or entry.source() is not array):
             entry = None  # cannot happen while callbacks run; defensive
@@ -202,7 +222,7 @@ class Session:
             self._by_id[key] = entry
         if entry.ref is None:
             self._evict_idle(limit=self._pending_bytes())
-            ref, seconds = dump_array(self.folder.pair, array, DUMP, self._worker_mode())
+            ref, seconds = dump_array(self.folder.pair, array, DUMP, mode or self._worker_mode())
             entry.ref, entry.generation = ref, self._generation
             self._by_path[ref.path] = entry
             self.stats.add(arrays_dumped=1, bytes_dumped=array.nbytes, dump_seconds=seconds)

@@ -42,7 +42,8 @@ class CallStats:
     results_by_reference: int = 0
     bytes_results_by_reference: int = 0
     tasks: int = 0
-    fallback_files: int = 0
+    fallback_files: int = 0  # arrays and results written to the disk fallback
+    results_pickled_no_room: int = 0  # results sent by value because no file had room
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> Dict[str, float]:
@@ -118,8 +119,10 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     Keys: ``arrays_dumped``, ``bytes_dumped``, ``dump_seconds``,
     ``arrays_referenced``, ``bytes_referenced``, ``arrays_pickled``,
     ``bytes_pickled``, ``results_by_reference``,
-    ``bytes_results_by_reference``, ``tasks``, ``fallback_files``. None
-    before the first call ends.
+    ``bytes_results_by_reference``, ``tasks``, ``fallback_files`` (arrays
+    and results written to the disk fallback because shared memory was
+    full), ``results_pickled_no_room`` (results sent back by value because
+    no file had room). None before the first call ends.
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()

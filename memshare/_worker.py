@@ -15,7 +15,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
+
+import numpy as np
 
 from ._mapping import prune_mappings
 from ._owners import process_start_time
@@ -37,7 +39,10 @@ class Outcome:
     stream: bytes  # the return value packed with the result policy, or a _Failure
     result_arrays: int = 0  # arrays returned through result files
     result_bytes: int = 0
-    moved: Tuple[Tuple[str, ArrayRef], ...] = ()  # results that moved while written: (first path, where now)
+    # Results that moved while written: (first path, where now: a file, or the array by value).
+    moved: Tuple[Tuple[str, Union[ArrayRef, np.ndarray]], ...] = ()
+    fallback_sizes: Tuple[int, ...] = ()  # bytes of each result written to the disk fallback
+    pickled_sizes: Tuple[int, ...] = ()  # bytes of each result sent by value: no file had room
 
 
 class RemoteTraceback(Exception):
@@ -87,6 +92,8 @@ def run_task(task: Task) -> Outcome:
         result_arrays=len(sent),
         result_bytes=sum(_size(p) for p in sent),
         moved=tuple(policy.moved.items()),
+        fallback_sizes=tuple(policy.fallback_sizes),
+        pickled_sizes=tuple(policy.pickled_sizes),
     )
 
 

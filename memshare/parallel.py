@@ -13,13 +13,15 @@ rule, because the nested configuration is an active backend.
 
 from __future__ import annotations
 
+import inspect
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import joblib
 from joblib import delayed
 from joblib.parallel import get_active_backend
 
+from ._config import parse_max_nbytes
 from .backend import BACKEND_NAME, MemshareBackend
 
 
@@ -34,6 +36,27 @@ def _no_backend_chosen() -> bool:
     return type(backend).__name__ == "LokyBackend" and not backend.nesting_level
 
 
+_JOBLIB_PARAMETERS = list(inspect.signature(joblib.Parallel.__init__).parameters)
+_MAX_NBYTES_DEFAULT = inspect.signature(joblib.Parallel.__init__).parameters["max_nbytes"].default
+
+
+def _with_max_nbytes_parsed(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """``Parallel``'s arguments after ``n_jobs`` and ``backend``, with ``max_nbytes`` in bytes.
+
+    joblib parses a string ``max_nbytes`` itself, with a narrower grammar
+    than memshare's (no ``"10 KiB"``, ``"1 GB"`` or ``"0"``) and its own
+    message. Parsing it here first gives ``Parallel`` and ``MemmappingPool``
+    one grammar and one error, whatever the backend.
+    """
+    position = _JOBLIB_PARAMETERS.index("max_nbytes") - 3  # after self, n_jobs and backend
+    if "max_nbytes" in kwargs:
+        if kwargs["max_nbytes"] is not _MAX_NBYTES_DEFAULT:
+            kwargs = {**kwargs, "max_nbytes": parse_max_nbytes(kwargs["max_nbytes"])}
+    elif len(args) > position and args[position] is not _MAX_NBYTES_DEFAULT:
+        args = args[:position] + (parse_max_nbytes(args[position]),) + args[position + 1 :]
+    return args, kwargs
+
+
 class Parallel(joblib.Parallel):
     """joblib's ``Parallel``, running on memshare's backend by default.
 
@@ -41,6 +64,9 @@ class Parallel(joblib.Parallel):
     (``n_jobs``, ``backend``, ``return_as``, ``timeout``, ``batch_size``,
     ``pre_dispatch``, ``max_nbytes``, ``mmap_mode``, ``temp_folder``...).
     Results larger than ``max_nbytes`` come back through shared memory.
+    ``max_nbytes`` is read by memshare's parser whatever the backend, so it
+    takes the same sizes as ``MemmappingPool`` (``"10 KiB"``, ``"1 GB"``,
+    ``"0"`` as well as joblib's ``"1M"``).
 
     ``progress=True`` shows a tqdm bar on stderr: tasks done out of the
     total (when the iterable has a length), rate and ETA. It works with
@@ -50,6 +76,7 @@ class Parallel(joblib.Parallel):
     def __init__(self, n_jobs=None, backend=None, *args, progress: bool = False, **kwargs):
         if backend is None and _no_backend_chosen():
             backend = BACKEND_NAME
+        args, kwargs = _with_max_nbytes_parsed(args, kwargs)
         super().__init__(n_jobs, backend, *args, **kwargs)
         self.progress = bool(progress)
         self._bar: Optional[Any] = None

@@ -1,8 +1,16 @@
+import os
+import re
+import tempfile
+
 import numpy as np
 import pytest
+from joblib.disk import memstr_to_bytes
 
 import memshare
+from memshare import delayed
 from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
+from memshare._folders import SHM_ROOT, default_base
+from memshare._session import Session
 
 
 @pytest.mark.parametrize(
@@ -18,13 +26,14 @@ from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
         ("3MB", 3 * 1024**2),
         ("12", 12),
         (np.int64(5), 5),
+        (1.5, 1),  # a float threshold, as joblib takes one: sizes are whole bytes, so > 1.5 is > 1
     ],
 )
 def test_max_nbytes_accepts_sizes(value, expected):
     assert parse_max_nbytes(value) == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "-1", -1, "1X", 1.5, True, [1]])
+@pytest.mark.parametrize("value", ["lots", "-1", -1, "1X", -1.5, True, [1]])
 def test_max_nbytes_rejects_bad_values_with_a_clear_message(value):
     with pytest.raises((ValueError, TypeError), match="max_nbytes"):
         parse_max_nbytes(value)
@@ -60,3 +69,91 @@ def test_pool_rejects_bad_settings_before_starting_workers():
         memshare.MemmappingPool(1, mmap_mode=None)
     with pytest.raises(ValueError, match="max_nbytes"):
         memshare.MemmappingPool(1, max_nbytes="huge")
+
+
+JOBLIB_SIZES = ["10K", "500M", "2G", "1.5K", " 2K", "2 K", "1e3K", "1_000K", "0K"]
+
+
+@pytest.mark.parametrize("value", JOBLIB_SIZES)
+def test_every_size_joblib_reads_is_read_the_same(value):
+    assert parse_max_nbytes(value) == memstr_to_bytes(value)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("10 KiB", 10240),
+        ("1 GB", 1024**3),
+        ("0", 0),
+        ("4096", 4096),
+        ("2t", 2 * 1024**4),
+        ("3 mb", 3 * 1024**2),
+        (1e6, 10**6),
+    ],
+)
+def test_parallel_takes_the_sizes_the_pool_takes(value, expected):
+    assert parse_max_nbytes(value) == expected
+    # memshare.Parallel parses before joblib, whose own parser would reject most of these.
+    assert memshare.Parallel(n_jobs=2, max_nbytes=value)._backend_kwargs["max_nbytes"] == expected
+
+
+@pytest.mark.parametrize("value", ["-1K", "1X", "nanK", "infK", "ten", "", "K", -1, float("nan")])
+def test_parallel_and_pool_reject_the_same_sizes_with_the_same_message(value):
+    with pytest.raises(ValueError, match="max_nbytes") as from_parser:
+        parse_max_nbytes(value)
+    message = re.escape(str(from_parser.value))
+    with pytest.raises(ValueError, match=message):
+        memshare.Parallel(n_jobs=2, max_nbytes=value)
+    with pytest.raises(ValueError, match=message):
+        memshare.Parallel(2, None, "list", 0, None, "2*n_jobs", "auto", None, value)  # max_nbytes by position
+    with pytest.raises(ValueError, match=message):
+        memshare.MemmappingPool(1, max_nbytes=value)
+
+
+def sizes_of(*arrays):
+    return [a.nbytes for a in arrays]
+
+
+def test_a_size_joblib_cannot_read_works_in_a_parallel_call(shm_dir):
+    small, large = np.ones(1000), np.ones(2000)  # 8000 and 16000 bytes
+    assert (
+        memshare.Parallel(n_jobs=2, max_nbytes="10 KiB")(delayed(sizes_of)(small, large) for _ in range(2))
+        == [[8000, 16000]] * 2
+    )
+    assert memshare.last_call_stats()["arrays_dumped"] == 1  # only the array above 10 KiB
+
+
+def test_empty_temp_folder_means_the_default_not_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", "")
+    monkeypatch.setenv("JOBLIB_TEMP_FOLDER", str(tmp_path / "from-joblib"))
+    assert Settings.from_user(temp_folder="").temp_folder is None
+    assert default_base(None)[0] == str(tmp_path / "from-joblib")  # empty MEMSHARE_TEMP_FOLDER is unset
+    monkeypatch.setenv("JOBLIB_TEMP_FOLDER", "")
+    assert default_base(Settings.from_user(temp_folder="").temp_folder)[0] in (SHM_ROOT, tempfile.gettempdir())
+    data = np.ones(200_000)
+    assert memshare.Parallel(n_jobs=2, temp_folder="")(delayed(len)(data) for _ in range(2)) == [200_000] * 2
+    assert memshare.last_call_stats()["arrays_dumped"] == 1 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("variable", [None, "MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER"])
+def test_tilde_is_expanded_in_the_argument_and_both_variables(tmp_path, monkeypatch, variable):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)
+    monkeypatch.delenv("JOBLIB_TEMP_FOLDER", raising=False)
+    if variable is None:
+        settings = Settings.from_user(max_nbytes=0, temp_folder="~/shared")
+    else:
+        monkeypatch.setenv(variable, "~/shared")
+        settings = Settings.from_user(max_nbytes=0)
+    session = Session(settings)
+    data = np.ones(1000)
+    try:
+        session.pack_task(len, (data,))
+        assert os.path.dirname(session.live_files()[0]) == session.folder.pair.primary
+        assert session.folder.pair.primary.startswith(str(home / "shared") + os.sep)
+    finally:
+        session.close()
+    assert not (tmp_path / "~").exists()

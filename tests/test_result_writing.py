@@ -7,6 +7,7 @@ they can look at the worker's memory and files directly; the parent's side
 
 import errno
 import os
+import subprocess
 import tempfile
 import warnings
 import weakref
@@ -15,15 +16,17 @@ import cloudpickle
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import files_under, memshare_entries
+from conftest import _mount_tmpfs, files_under, memshare_entries
 
 import memshare
 import memshare._folders as folders_module
 import memshare._result_files as result_files
+from memshare._config import Settings
 from memshare._dumping import CHUNK_BYTES
 from memshare._folders import FolderPair
 from memshare._owners import Owner, new_folder_name
 from memshare._reducers import ResultSpec
+from memshare._session import Session
 from memshare._worker import Task, restore, run_task
 
 N = 3 * CHUNK_BYTES // 8 + 1000  # float64 elements: a few pieces, the last one partial
@@ -160,26 +163,42 @@ def test_a_result_moves_to_the_fallback_when_room_runs_out_midway(folders, relea
 
     monkeypatch.setattr(result_files, "reserve", full_after_two_pieces)
     monkeypatch.setattr(folders_module, "reserve", full_after_two_pieces)
-    with pytest.warns(memshare.SharedMemoryFallbackWarning, match="written to .* on disk instead"):
+    with warnings.catch_warnings():
+        # The worker's stderr is out of the caller's sight: the parent warns (see below).
+        warnings.simplefilter("error", memshare.SharedMemoryFallbackWarning)
         outcome, value = run_in_this_process(folders, ones, N)
-    assert len(outcome.moved) == 1
+    assert len(outcome.moved) == 1 and outcome.fallback_sizes == (N * 8,)
     first, now = outcome.moved[0]
     assert first.startswith(folders.primary) and now.path.startswith(folders.fallback)
     np.testing.assert_array_equal(value, np.ones(N))  # the pieces written before the move were copied
     assert sum(released) >= 0.99 * N * 8  # released before and after the move
 
 
-def test_no_room_anywhere_is_a_clear_error_and_leaves_nothing(folders, released, monkeypatch):
-    def full(fd, offset, nbytes):
-        raise OSError(errno.ENOSPC, "no space left")
+def no_room_after(pieces):
+    """A fake ``reserve`` that finds every file system full after ``pieces`` reservations."""
+    calls = []
 
-    monkeypatch.setattr(result_files, "reserve", full)
-    monkeypatch.setattr(folders_module, "reserve", full)
-    with warnings.catch_warnings():
-        # No fallback warning either: nothing was written anywhere.
-        warnings.simplefilter("error", memshare.SharedMemoryFallbackWarning)
-        with pytest.raises(memshare.SharedMemoryFullError, match="no room for a"):
-            run_in_this_process(folders, ones, N)
+    def reserve(fd, offset, nbytes):
+        calls.append(offset)
+        if len(calls) > pieces:
+            raise OSError(errno.ENOSPC, "no space left")
+        folders_module.os.posix_fallocate(fd, offset, nbytes)
+
+    return reserve
+
+
+@pytest.mark.parametrize("pieces", [0, 2])
+@pytest.mark.parametrize("func", [ones, fortran, whole_and_view])
+def test_a_result_that_fits_in_no_file_comes_back_by_value(folders, released, monkeypatch, pieces, func):
+    reserve = no_room_after(pieces)
+    monkeypatch.setattr(result_files, "reserve", reserve)
+    monkeypatch.setattr(folders_module, "reserve", reserve)
+    outcome, value = run_in_this_process(folders, func, N)
+    assert outcome.pickled_sizes and outcome.result_arrays == len(outcome.fallback_sizes) == 0
+    got, want = (value, func(N)) if isinstance(value, tuple) else ((value,), (func(N),))
+    for got_array, want_array in zip(got, want):
+        np.testing.assert_array_equal(got_array, want_array)  # pieces written before the failure were read back
+    assert got[0].flags.f_contiguous == want[0].flags.f_contiguous  # the file's layout, Fortran for fortran()
 
 
 def _rss_anon() -> int:
@@ -198,12 +217,87 @@ def test_results_bigger_than_a_small_shm_move_to_disk_with_their_values(small_tm
     """Docker's 64 MB /dev/shm: two workers' 48 MB results cannot all fit, so some move midway."""
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
     n = 48 * 1024**2 // 8
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", memshare.SharedMemoryFallbackWarning)
+    with pytest.warns(memshare.SharedMemoryFallbackWarning, match="on disk instead") as caught:
         out = memshare.Parallel(n_jobs=2)(memshare.delayed(full_of)(n, float(i)) for i in range(4))
+    assert len(caught) == 1  # in the parent, where the caller's filters apply; once per call
     for i, array in enumerate(out):
         assert array.shape == (n,) and array[0] == array[n // 2] == array[-1] == float(i)
-    assert memshare.last_call_stats()["results_by_reference"] == 4
+    stats = memshare.last_call_stats()
+    assert stats["results_by_reference"] == 4
+    assert stats["fallback_files"] >= 3  # the parent holds the results: at most one fits in 64 MB
     assert files_under(small_tmpfs) == []
     on_disk = memshare_entries(tempfile.gettempdir())
     assert [files for entry, files in on_disk if entry.startswith(f"memshare-{os.getpid()}-") and files] == []
+
+
+def test_the_parent_warns_once_and_counts_results_that_went_to_disk_or_by_value(monkeypatch):
+    session = Session(Settings(max_nbytes=1024**2))
+    pair = session.folder.pair
+    if pair.fallback is None:
+        session.close()
+        pytest.skip("shared memory and the temp dir are one file system here: there is no disk fallback")
+
+    def no_room_in_shared_memory(fd, offset, nbytes):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.realpath(pair.primary)):
+            raise OSError(errno.ENOSPC, "no space left")
+        os.posix_fallocate(fd, offset, nbytes)
+
+    def run(func, *args):
+        ok, value = session.finish(run_task(session.pack_task(func, args)))
+        assert ok, value
+        return value
+
+    try:
+        monkeypatch.setattr(result_files, "reserve", no_room_in_shared_memory)
+        monkeypatch.setattr(folders_module, "reserve", no_room_in_shared_memory)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                np.testing.assert_array_equal(run(ones, N), np.ones(N))
+        assert [str(w.message) for w in caught if "on disk instead" in str(w.message)] == [str(caught[0].message)]
+        assert caught[0].category is memshare.SharedMemoryFallbackWarning and len(caught) == 1
+        monkeypatch.setattr(result_files, "reserve", no_room_after(0))
+        monkeypatch.setattr(folders_module, "reserve", no_room_after(0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                np.testing.assert_array_equal(run(ones, N), np.ones(N))
+        assert len(caught) == 1 and caught[0].category is memshare.SharedMemoryFallbackWarning
+        assert "pickled back" in str(caught[0].message) and "shm-size" in str(caught[0].message)
+    finally:
+        session.close()
+    stats = memshare.last_call_stats()
+    assert (stats["fallback_files"], stats["results_pickled_no_room"], stats["results_by_reference"]) == (2, 2, 2)
+
+
+@pytest.fixture
+def small_disk_temp(tmp_path, monkeypatch):
+    """The system temp dir, as the disk fallback sees it, on a 32 MB tmpfs (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 32 MB tmpfs as the temp dir needs root (CI runs as root)")
+    mount_point = tmp_path / "small-temp"
+    mount_point.mkdir()
+    error = _mount_tmpfs(mount_point, "32m")
+    if error:
+        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
+    monkeypatch.setattr(tempfile, "tempdir", str(mount_point))
+    try:
+        yield mount_point
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_results_too_big_for_shared_memory_and_disk_come_back_by_value(small_tmpfs, small_disk_temp, monkeypatch):
+    """/dev/shm 64 MB, temp dir 32 MB, four 40 MiB results: joblib returns them, and so does memshare."""
+    monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
+    n = 40 * 1024**2 // 8
+    with pytest.warns(memshare.SharedMemoryFallbackWarning, match="pickled back to the parent") as caught:
+        out = memshare.Parallel(n_jobs=2)(memshare.delayed(full_of)(n, float(i)) for i in range(4))
+    assert len([w for w in caught if "pickled back" in str(w.message)]) == 1
+    for i, array in enumerate(out):
+        assert array.shape == (n,) and array[0] == array[n // 2] == array[-1] == float(i)
+    stats = memshare.last_call_stats()
+    assert stats["results_pickled_no_room"] >= 2  # the parent holds the results: at most one file fits at a time
+    assert stats["results_pickled_no_room"] + stats["results_by_reference"] == 4
+    assert files_under(small_tmpfs) == files_under(small_disk_temp) == []

@@ -247,3 +247,93 @@ def test_small_views_of_big_arrays_are_dumped_alone(session):
     base = np.arange(1_000_000.0)
     assert roundtrip(session, lambda x: float(x.sum()), base[:1000]) == float(base[:1000].sum())
     assert session.stats.bytes_dumped == 8000  # not the 8 MB base
+
+
+def write_privately(x):
+    before = x[0]
+    x[1] = -5.0  # copy-on-write: private to this task
+    return type(x).__name__, x.mode, bool(x.flags.writeable), float(before), float(x[1])
+
+
+def test_copy_on_write_memmap_is_copied_and_mapped_copy_on_write(session, tmp_path):
+    path = tmp_path / "cow.dat"
+    np.arange(1000.0).tofile(path)
+    cow = np.memmap(path, dtype="f8", mode="c", shape=(1000,))
+    cow[0] = 42.0  # a private page: the file still holds 0.0
+    assert roundtrip(session, write_privately, cow) == ("memmap", "c", True, 42.0, -5.0)
+    assert roundtrip(session, write_privately, cow[10:]) == ("memmap", "c", True, 10.0, -5.0)
+    assert cow[1] == 1.0 and np.fromfile(path)[1] == 1.0  # the task's writes stayed in the task
+    assert session.stats.arrays_dumped == 2 and session.stats.arrays_referenced == 0  # copied, not referenced
+    readonly = cow[:500]
+    readonly.flags.writeable = False
+    assert roundtrip(session, lambda x: bool(x.flags.writeable), readonly) is False
+    del cow, readonly
+
+
+def memmap_attributes(x):
+    return str(x.filename), x.offset, x.mode
+
+
+def slice_of_own_memmap(path, offset):
+    return np.memmap(path, dtype="u1", mode="r+", offset=offset, shape=(100,))[3:50]
+
+
+@pytest.mark.parametrize("mode", ["r+", "r", "w+"])
+def test_memmaps_rebuilt_from_references_report_numpys_filename_offset_and_mode(session, tmp_path, mode):
+    path = tmp_path / "offset.dat"
+    path.write_bytes(bytes(range(256)) * 40)
+    memmap = np.memmap(path, dtype="u1", mode="r+" if mode == "w+" else mode, offset=4097, shape=(100,))
+    if mode == "w+":
+        memmap.mode = "w+"  # what a memmap created with mode='w+' reports; not reopened with it
+    view = memmap[3:50]
+    expected_mode = "r+" if mode == "w+" else mode  # joblib's choice too: reopening must not zero the file
+    assert (str(view.filename), view.offset) == (str(path), 4097)  # numpy: a slice keeps its memmap's offset
+    # An input in a worker, and a view of it sent back as a result.
+    assert roundtrip(session, memmap_attributes, view) == (str(path), 4097, expected_mode)
+    assert roundtrip(session, memmap_attributes, np.asarray(view)) == (str(path), 4097, expected_mode)
+    back = roundtrip(session, lambda x: x[2:], view)
+    assert (type(back), str(back.filename), back.offset, back.mode) == (np.memmap, str(path), 4097, expected_mode)
+    np.testing.assert_array_equal(back, memmap[5:50])
+    # A result sliced from a memmap the task opened itself.
+    result = roundtrip(session, slice_of_own_memmap, str(path), 4097)
+    assert (str(result.filename), result.offset, result.mode) == (str(path), 4097, "r+")
+    reopened = np.memmap(result.filename, dtype="u1", mode="r", offset=result.offset, shape=(100,))
+    np.testing.assert_array_equal(reopened[3:50], result)
+    del memmap, view, back, result, reopened
+
+
+class RaisesWhenPickled:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __reduce__(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("no way"), ValueError("bad state"), OSError(5, "device gone")])
+def test_any_exception_while_pickling_an_argument_is_an_unpicklable_argument_error(session, exc):
+    import pickle
+
+    import memshare
+
+    with pytest.raises(memshare.UnpicklableArgumentError, match=f"{type(exc).__name__}: .*picklable") as info:
+        session.pack_task(len, (np.ones(1000), RaisesWhenPickled(exc)))
+    assert isinstance(info.value, pickle.PicklingError) and isinstance(info.value, TypeError)
+    assert info.value.__cause__ is exc
+    with pytest.raises(KeyboardInterrupt):  # not an error of the argument: raised as itself
+        session.pack_task(len, (RaisesWhenPickled(KeyboardInterrupt()),))
+
+
+def test_no_room_for_an_input_is_raised_as_itself_not_as_unpicklable(session, monkeypatch):
+    import errno
+
+    import memshare
+    import memshare._folders as folders_module
+
+    def no_room(fd, offset, nbytes):
+        raise OSError(errno.ENOSPC, "no space left")
+
+    monkeypatch.setattr(folders_module, "reserve", no_room)
+    with pytest.raises(memshare.SharedMemoryFullError, match="no room for a") as info:
+        session.pack_task(len, (np.ones(1000),))
+    assert not isinstance(info.value, memshare.UnpicklableArgumentError)
