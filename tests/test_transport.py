@@ -281,10 +281,11 @@ def slice_of_own_memmap(path, offset):
 @pytest.mark.parametrize("mode", ["r+", "r", "w+"])
 def test_memmaps_rebuilt_from_references_report_numpys_filename_offset_and_mode(session, tmp_path, mode):
     path = tmp_path / "offset.dat"
-    path.write_bytes(bytes(range(256)) * 40)
-    memmap = np.memmap(path, dtype="u1", mode="r+" if mode == "w+" else mode, offset=4097, shape=(100,))
+    if mode != "w+":
+        path.write_bytes(bytes(range(256)) * 40)
+    memmap = np.memmap(path, dtype="u1", mode=mode, offset=4097, shape=(100,))
     if mode == "w+":
-        memmap.mode = "w+"  # what a memmap created with mode='w+' reports; not reopened with it
+        memmap[:] = np.arange(100)
     view = memmap[3:50]
     expected_mode = "r+" if mode == "w+" else mode  # joblib's choice too: reopening must not zero the file
     assert (str(view.filename), view.offset) == (str(path), 4097)  # numpy: a slice keeps its memmap's offset
