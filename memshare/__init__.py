@@ -7,11 +7,15 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 :func:`last_call_stats`.
 """
 
-from ._errors import WorkerDiedError
-from ._folders import SharedMemoryFallbackWarning, SharedMemoryFullError
-from ._session import UnpicklableArgumentError
+from ._errors import (
+    RemoteTraceback,
+    SharedMemoryFallbackWarning,
+    SharedMemoryFullError,
+    UnpicklableArgumentError,
+    UnpicklableResultError,
+    WorkerDiedError,
+)
 from ._stats import last_call_stats
-from ._worker import RemoteTraceback, UnpicklableResultError
 from .arrays import empty, full, is_shared, share, zeros
 from .backend import MemshareBackend, register_backend
 from .parallel import Parallel, delayed

@@ -14,8 +14,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from ._config import parse_max_nbytes
-from ._doctor import human_bytes, run_doctor
+from ._config import format_bytes, parse_max_nbytes
+from ._doctor import run_doctor
 from ._folders import SHM_ROOT, candidate_bases, list_folders, sweep_dead_owners
 
 
@@ -66,19 +66,19 @@ def clean(shm: str = SHM_ROOT, dry_run: bool = False) -> int:
     freed, failed = 0, 0
     for path, size in swept:
         if dry_run:
-            print(f"would remove {path} ({human_bytes(size)})")
+            print(f"would remove {path} ({format_bytes(size)})")
             freed += size
         elif os.path.lexists(path):
             print(f"could not remove {path}: check its permissions", file=sys.stderr)
             failed += 1
         else:
-            print(f"removed {path} ({human_bytes(size)})")
+            print(f"removed {path} ({format_bytes(size)})")
             freed += size
     kept = sum(1 for _, owner in list_folders(bases) if owner.is_alive())
     verb = "would free" if dry_run else "freed"
     count = len(swept) - failed
     if swept:
-        print(f"{verb} {human_bytes(freed)} ({freed} bytes) in {count} folder(s) of dead owners")
+        print(f"{verb} {format_bytes(freed)} ({freed} bytes) in {count} folder(s) of dead owners")
     else:
         print(f"nothing to clean: no folders of dead owners in {', '.join(sorted(bases))}")
     if kept:

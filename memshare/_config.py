@@ -1,4 +1,4 @@
-"""Validation of the user-facing sharing settings.
+"""Validation of the user-facing sharing settings, and the byte sizes they speak in.
 
 Every entry point (``MemmappingPool``, the joblib backend, the shared-array
 constructors) funnels its ``max_nbytes``, ``mmap_mode`` and ``temp_folder``
@@ -82,6 +82,17 @@ def _max_nbytes_help(value: object) -> str:
         "(e.g. 1048576), a string such as '500K', '1M', '1.5G' or '10 KiB' (binary units K, M, G, T "
         "with an optional B or iB), or None to disable dumping arrays to shared memory."
     )
+
+
+def format_bytes(nbytes: Optional[float]) -> str:
+    """``nbytes`` in binary units for messages, e.g. ``64.0 MiB``; ``unknown`` for None."""
+    if nbytes is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
 
 
 def check_mmap_mode(value: object) -> str:

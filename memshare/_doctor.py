@@ -20,6 +20,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from ._config import format_bytes
 from ._folders import SHM_ROOT, candidate_bases, default_base, fallback_base, folder_size, free_bytes, list_folders
 from ._owners import pid_namespace
 
@@ -41,17 +42,6 @@ def shm_size_advice(nbytes: int) -> str:
         f"docker run --shm-size={gib}g ... (docker compose: shm_size: {gib}gb; Kubernetes: mount an emptyDir "
         f"volume with medium: Memory and sizeLimit: {gib}Gi at /dev/shm)"
     )
-
-
-def human_bytes(nbytes: Optional[float]) -> str:
-    """``nbytes`` in binary units, e.g. ``64.0 MiB``; ``unknown`` for None."""
-    if nbytes is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
 
 
 @dataclass
@@ -135,7 +125,7 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     fs_type = _fs_type(shm)
     say(f"  file system: {fs_type}")
-    say(f"  size: {human_bytes(size)}, free: {human_bytes(free)}")
+    say(f"  size: {format_bytes(size)}, free: {format_bytes(free)}")
     if not os.access(shm, os.W_OK | os.X_OK):
         verdict.problems.append(
             f"{shm} is not writable by this user, so arrays go to disk. Fix its permissions (it should be "
@@ -144,20 +134,20 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
     if fs_type not in ("tmpfs", "ramfs", "unknown"):
         verdict.notes.append(f"{shm} is on {fs_type}, not tmpfs: files there may be written to disk.")
     if size < threshold:
-        why = f"2x the {human_bytes(need)} given with --need" if 2 * need > MIN_SHM_BYTES else "the 1 GiB minimum"
+        why = f"2x the {format_bytes(need)} given with --need" if 2 * need > MIN_SHM_BYTES else "the 1 GiB minimum"
         docker = " (Docker's default is 64 MiB)" if size < MIN_SHM_BYTES else ""
         verdict.problems.append(
-            f"{shm} is only {human_bytes(size)}{docker}, below {why}; arrays that do not fit go to disk, which is "
-            f"slower. Give it at least {human_bytes(threshold)}: {shm_size_advice(threshold)}."
+            f"{shm} is only {format_bytes(size)}{docker}, below {why}; arrays that do not fit go to disk, which is "
+            f"slower. Give it at least {format_bytes(threshold)}: {shm_size_advice(threshold)}."
         )
     elif free < NEARLY_FULL_FRACTION * size or free < 2 * need:
         verdict.problems.append(
-            f"{shm} is nearly full ({human_bytes(free)} free of {human_bytes(size)}). Remove leftovers with "
+            f"{shm} is nearly full ({format_bytes(free)} free of {format_bytes(size)}). Remove leftovers with "
             f"`python -m memshare clean`, and see what else fills it with `du -sh {shm}/*`."
         )
     if limit is not None and limit < size:
         verdict.notes.append(
-            f"files in {shm} count against the container memory limit of {human_bytes(limit)}, "
+            f"files in {shm} count against the container memory limit of {format_bytes(limit)}, "
             "so that is the real room for shared arrays plus everything else."
         )
 
@@ -179,11 +169,11 @@ def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> No
             status = "owner dead"
             dead_count += 1
             dead_bytes += size
-        say(f"  {path}: pid {owner.pid}, {status}, {human_bytes(size)}")
+        say(f"  {path}: pid {owner.pid}, {status}, {format_bytes(size)}")
     if dead_count:
         option = "" if shm == SHM_ROOT else f" --shm {shm}"
         verdict.problems.append(
-            f"{dead_count} folder(s) of dead owners hold {human_bytes(dead_bytes)}. "
+            f"{dead_count} folder(s) of dead owners hold {format_bytes(dead_bytes)}. "
             f"Remove them with `python -m memshare clean{option}`."
         )
 
@@ -194,9 +184,9 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     primary, reason = default_base()
     fallback = fallback_base(primary)
     say("Where memshare puts files")
-    say(f"  primary:  {primary} (because {reason}), {human_bytes(free_bytes(primary))} free")
+    say(f"  primary:  {primary} (because {reason}), {format_bytes(free_bytes(primary))} free")
     if fallback:
-        fallback_free = human_bytes(free_bytes(fallback))
+        fallback_free = format_bytes(free_bytes(fallback))
         say(f"  fallback: {fallback} (on disk, used per array when the primary is full), {fallback_free} free")
     elif not os.path.isdir(primary):
         say(f"  fallback: none ({primary} does not exist yet, and no fallback is chosen for a missing base)")
@@ -207,7 +197,7 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     limit, limit_source = memory_limit()
     say(f"Shared memory at {shm}")
     _check_shm(shm, need, limit, say, verdict)
-    say(f"  container memory limit: {human_bytes(limit) + ' (' + limit_source + ')' if limit else limit_source}")
+    say(f"  container memory limit: {format_bytes(limit) + ' (' + limit_source + ')' if limit else limit_source}")
 
     say("memshare folders")
     _check_folders(shm, say, verdict)

@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from ._folders import FolderPair
-from ._refs import ArrayRef, data_address
+from ._refs import ArrayRef, data_address, file_identity
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in
 #: Pieces of contiguous data end on addresses aligned to this size, so that memory
@@ -77,9 +77,19 @@ def iter_pieces(array: np.ndarray, order: str) -> Iterator[Tuple[memoryview, Opt
             yield data[done:end], address + done
             done = end
     else:
-        step = max(1, _SLAB_BYTES // max(array[0:1].nbytes, 1))
-        for start in range(0, array.shape[0], step):
-            yield _bytes_of(np.ascontiguousarray(array[start : start + step])), None
+        for rows in row_slabs(array, 0, array.shape[0], _SLAB_BYTES):
+            yield _bytes_of(np.ascontiguousarray(array[rows])), None
+
+
+def row_slabs(array: np.ndarray, start: int, stop: int, slab_bytes: int) -> Iterator[slice]:
+    """Consecutive slices of rows ``start:stop`` of ``array``, each about ``slab_bytes`` (at least one row).
+
+    Copying or comparing a large array slab by slab never needs a full-size
+    temporary, and slabs that fit in the cache are faster to work on.
+    """
+    step = max(1, slab_bytes // max(array[0:1].nbytes, 1))
+    for first in range(start, stop, step):
+        yield slice(first, min(first + step, stop))
 
 
 def contiguous_strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tuple[int, ...]:
@@ -93,19 +103,21 @@ def contiguous_strides(shape: Tuple[int, ...], itemsize: int, order: str) -> Tup
     return tuple(reversed(strides))
 
 
-def file_reference(path: str, fd: int, array: np.ndarray, kind: str, mode: str, order: str) -> ArrayRef:
-    """The reference to ``array`` written in ``order`` at offset 0 of the open file ``fd``."""
-    info = os.fstat(fd)
+def file_reference(
+    path: str, fd: int, kind: str, mode: str, shape: Tuple[int, ...], dtype: np.dtype, order: str
+) -> ArrayRef:
+    """The reference to an array of ``shape`` and ``dtype`` laid out in ``order`` at offset 0 of the file ``fd``."""
+    device, inode = file_identity(os.fstat(fd))
     return ArrayRef(
         path=path,
-        device=info.st_dev,
-        inode=info.st_ino,
+        device=device,
+        inode=inode,
         kind=kind,
         mode=mode,
         offset=0,
-        shape=tuple(array.shape),
-        strides=contiguous_strides(array.shape, array.dtype.itemsize, order),
-        dtype=array.dtype,
+        shape=tuple(shape),
+        strides=contiguous_strides(tuple(shape), dtype.itemsize, order),
+        dtype=dtype,
     )
 
 
@@ -119,7 +131,7 @@ def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, orde
     order = file_order(array, order)
     path, fd = folder.create_file(array.nbytes, kind)
     try:
-        ref = file_reference(path, fd, array, kind, mode, order)
+        ref = file_reference(path, fd, kind, mode, array.shape, array.dtype, order)
         for piece, _ in iter_pieces(array, order):
             write_range(fd, piece)
     except BaseException:

@@ -1,7 +1,8 @@
-"""Errors shared by the transports, and how a worker's death is explained."""
+"""Every public error and warning of memshare, and how a worker's death is explained."""
 
 from __future__ import annotations
 
+import pickle
 import signal
 from typing import Optional
 
@@ -14,6 +15,33 @@ class WorkerDiedError(TerminatedWorkerError):
     A subclass of loky's ``TerminatedWorkerError`` (hence of ``RuntimeError``),
     so code written for joblib's loky backend catches it too.
     """
+
+
+class SharedMemoryFullError(OSError):
+    """Neither shared memory nor the disk fallback has room for a file."""
+
+
+class SharedMemoryFallbackWarning(UserWarning):
+    """An array took a slower way because shared memory was full.
+
+    It went to the disk temp folder, or, for a result that fitted in no file
+    at all, was pickled back to the parent.
+    """
+
+
+class UnpicklableArgumentError(pickle.PicklingError, TypeError):
+    """A task's function or arguments cannot be pickled to reach a worker."""
+
+
+class UnpicklableResultError(RuntimeError):
+    """A task's return value or exception could not be pickled."""
+
+
+class RemoteTraceback(Exception):
+    """The worker-side traceback, attached as ``__cause__`` of a re-raised error."""
+
+    def __str__(self) -> str:
+        return "\n\n" + str(self.args[0])
 
 
 _HINTS = {

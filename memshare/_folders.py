@@ -33,7 +33,8 @@ import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ._config import ENV_TEMP_FOLDER, folder_from_environment, resolve_folder
+from ._config import ENV_TEMP_FOLDER, folder_from_environment, format_bytes, resolve_folder
+from ._errors import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
 from ._watchdog import WatchdogClient
 
@@ -43,18 +44,6 @@ _FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) 
 
 #: errno values meaning that a file system has no room (quotas and file size limits included).
 NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-class SharedMemoryFullError(OSError):
-    """Neither shared memory nor the disk fallback has room for a file."""
-
-
-class SharedMemoryFallbackWarning(UserWarning):
-    """An array took a slower way because shared memory was full.
-
-    It went to the disk temp folder, or, for a result that fitted in no file
-    at all, was pickled back to the parent.
-    """
 
 
 def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
@@ -96,14 +85,12 @@ def free_bytes(path: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
-def _format_bytes(nbytes: Optional[float]) -> str:
-    if nbytes is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+def unlink_quietly(path: str) -> None:
+    """Delete the name ``path``; one already gone is no error (cleanups race)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def ensure_private_dir(path: str) -> None:
@@ -144,10 +131,6 @@ class FolderPair:
     primary: str
     fallback: Optional[str] = None
 
-    def contains(self, path: str) -> bool:
-        parent = os.path.dirname(path)
-        return parent == self.primary or parent == self.fallback
-
     def link_file(self, source: str, prefix: str) -> Optional[str]:
         """A new name for ``source`` in the primary folder (no copy); None if impossible.
 
@@ -178,10 +161,10 @@ class FolderPair:
                 if folder != self.primary and warn:
                     warn_fallback(self.primary, folder, nbytes)
                 return created
-        free = ", ".join(f"{_format_bytes(free_bytes(f))} free in {os.path.dirname(f)}" for f in attempts)
+        free = ", ".join(f"{format_bytes(free_bytes(f))} free in {os.path.dirname(f)}" for f in attempts)
         raise SharedMemoryFullError(
             errno.ENOSPC,
-            f"no room for a {_format_bytes(nbytes)} array ({free}). Give shared memory more "
+            f"no room for a {format_bytes(nbytes)} array ({free}). Give shared memory more "
             f"room (docker run --shm-size=...), point {ENV_TEMP_FOLDER} at a larger folder, "
             "or raise max_nbytes / pass max_nbytes=None to pickle arrays instead",
         )
@@ -246,7 +229,7 @@ def warn_fallback(primary: str, used: str, nbytes: int, stacklevel: int = 3) -> 
         return
     warnings.warn(
         f"memshare: shared memory at {os.path.dirname(primary)} has no room for a "
-        f"{_format_bytes(nbytes)} array ({_format_bytes(free_bytes(primary))} free); it was "
+        f"{format_bytes(nbytes)} array ({format_bytes(free_bytes(primary))} free); it was "
         f"written to {os.path.dirname(used)} on disk instead, which is slower. Give shared "
         f"memory more room (docker run --shm-size=2g) or set {ENV_TEMP_FOLDER}.",
         SharedMemoryFallbackWarning,
@@ -260,7 +243,7 @@ def warn_result_pickled(pair: FolderPair, nbytes: int, stacklevel: int = 2) -> N
         return
     where = " nor ".join(os.path.dirname(f) for f in (pair.primary, pair.fallback) if f)
     warnings.warn(
-        f"memshare: no room for a {_format_bytes(nbytes)} result in {where}; it was pickled back to "
+        f"memshare: no room for a {format_bytes(nbytes)} result in {where}; it was pickled back to "
         "the parent instead, which is slower and holds it twice for a while. Give shared memory more room "
         f"(docker run --shm-size=2g), point {ENV_TEMP_FOLDER} at a larger folder, or return smaller arrays.",
         SharedMemoryFallbackWarning,
@@ -317,7 +300,7 @@ class TempFolder:
     """
 
     def __init__(self, base: Optional[str] = None) -> None:
-        primary_base, self.reason = default_base(base)
+        primary_base, _ = default_base(base)
         name = new_folder_name(Owner.current())
         fallback = fallback_base(primary_base)
         self.pair = FolderPair(
@@ -336,13 +319,6 @@ class TempFolder:
         for path in paths:
             _state.watchdog.register(path)
         self._finalizer = weakref.finalize(self, _remove_paths, paths)
-
-    @property
-    def paths(self) -> List[str]:
-        return [p for p in (self.pair.primary, self.pair.fallback) if p]
-
-    def exists(self) -> bool:
-        return any(os.path.isdir(p) for p in self.paths)
 
     def remove(self) -> None:
         """Delete the folders and everything in them."""

@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ._refs import USER, ArrayRef, kind_of_path
+from ._refs import USER, ArrayRef, file_identity, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 _OPEN_FLAGS = {"r": os.O_RDONLY, "c": os.O_RDONLY, "r+": os.O_RDWR}
@@ -43,7 +43,7 @@ def map_file(ref: ArrayRef) -> np.memmap:
     fd = os.open(ref.path, _OPEN_FLAGS[ref.mode] | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     with open(fd, "rb" if ref.mode != "r+" else "r+b") as handle:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (ref.device, ref.inode):
+        if not stat.S_ISREG(info.st_mode) or not ref.is_file(info):
             raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
         base = np.memmap(handle, dtype=np.uint8, mode=ref.mode)
     base.filename = ref.path  # np.memmap leaves it unset for file objects
@@ -97,14 +97,6 @@ class MappingCache:
                 self._start_pruner()
         return view_of(base, ref)
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._bases)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bases.clear()
-
     def prune(self) -> None:
         """Drop mappings whose file was deleted or replaced."""
         with self._lock:
@@ -113,8 +105,7 @@ class MappingCache:
         for key in keys:
             path, device, inode, _ = key
             try:
-                info = os.stat(path)
-                if (info.st_dev, info.st_ino) != (device, inode):
+                if file_identity(os.stat(path)) != (device, inode):
                     stale.append(key)
             except OSError:
                 stale.append(key)

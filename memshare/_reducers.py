@@ -32,11 +32,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import cloudpickle
 import numpy as np
 
-from ._folders import FolderPair
+from ._folders import FolderPair, unlink_quietly
 from ._mapping import array_from_ref, map_file
 from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
+from ._shared_store import lookup_shared
 from ._stats import REFERENCED, log_decision
 
 # Reduction used for arrays that travel by value: numpy's own.
@@ -109,8 +110,6 @@ def _rebuild_input(ref: ArrayRef) -> np.memmap:
 
 def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
     """In the parent: a result that views the user's own file mapping."""
-    from .arrays import lookup_shared  # local: arrays imports this module
-
     shared = lookup_shared(ref)
     if shared is not None:
         return shared
@@ -119,8 +118,6 @@ def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
 
 def _owned_here(ref: ArrayRef) -> bool:
     """True when ``ref`` is a shared array that this process allocated."""
-    from .arrays import lookup_shared  # local: arrays imports this module
-
     return lookup_shared(ref) is not None
 
 
@@ -141,10 +138,7 @@ def adopt_result(ref: ArrayRef, moved: Optional[Moves] = None) -> np.ndarray:
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
     base = map_file(dataclasses.replace(ref, mode="r+"))
-    try:
-        os.unlink(ref.path)
-    except FileNotFoundError:
-        pass
+    unlink_quietly(ref.path)
     raw = base.base  # the mmap.mmap under the np.memmap: a plain ndarray over it is no memmap
     return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
 
@@ -329,10 +323,7 @@ class ResultPolicy:
         self.fallback_sizes.clear()
         self.pickled_sizes.clear()
         for path in self.written:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            unlink_quietly(path)
         self.written.clear()
 
 

@@ -52,6 +52,15 @@ class ArrayRef:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    def is_file(self, info: os.stat_result) -> bool:
+        """True when ``info`` (a stat result) is this reference's file, not another one now at its path."""
+        return file_identity(info) == (self.device, self.inode)
+
+
+def file_identity(info: os.stat_result) -> Tuple[int, int]:
+    """(device, inode) of a stat result: what tells a file from a later one at the same path."""
+    return info.st_dev, info.st_ino
+
 
 def data_address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
@@ -124,14 +133,14 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
     if not array.flags.writeable:
         mode = "r"
     try:
-        info = os.stat(path)
+        device, inode = file_identity(os.stat(path))
     except OSError:
         return None
     offset = root_offset + data_address(array) - data_address(root)
     return ArrayRef(
         path=path,
-        device=info.st_dev,
-        inode=info.st_ino,
+        device=device,
+        inode=inode,
         kind=kind_of_path(path),
         mode=mode,
         offset=offset,

@@ -33,8 +33,9 @@ from typing import Optional, Union
 import numpy as np
 
 from ._dumping import file_order, file_reference, iter_pieces, write_range
-from ._folders import NO_ROOM_ERRNOS, FolderPair, SharedMemoryFullError, reserve
-from ._refs import RESULT, ArrayRef
+from ._errors import SharedMemoryFullError
+from ._folders import NO_ROOM_ERRNOS, FolderPair, reserve
+from ._refs import RESULT, ArrayRef, file_identity
 from ._release import release_pages
 
 _COPY_BYTES = 8 * 1024**2  # block size when copying a moved result's written part
@@ -48,7 +49,7 @@ def create_result_file(folder: FolderPair, array: np.ndarray) -> ArrayRef:
     """
     path, fd = folder.create_file(0, RESULT)
     try:
-        return file_reference(path, fd, array, RESULT, "r+", file_order(array))
+        return file_reference(path, fd, RESULT, "r+", array.shape, array.dtype, file_order(array))
     finally:
         os.close(fd)
 
@@ -70,8 +71,7 @@ def fill_result_file(
     first = ref
     copy: Optional[np.ndarray] = None  # the result's bytes, once no file has room for them
     try:
-        info = os.fstat(fd)
-        if (info.st_dev, info.st_ino) != (ref.device, ref.inode):
+        if not ref.is_file(os.fstat(fd)):
             raise FileNotFoundError(f"memshare: result file {ref.path!r} was replaced before it was written")
         written = 0
         for piece, address in iter_pieces(array, file_order(array)):
@@ -138,12 +138,12 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
                 raise OSError(f"memshare: result file {ref.path!r} is shorter than the {written} bytes written")
             write_range(new_fd, memoryview(block))
             copied += len(block)
-        info = os.fstat(new_fd)
+        device, inode = file_identity(os.fstat(new_fd))
     except BaseException:
         os.close(new_fd)
         os.unlink(path)
         raise
-    return new_fd, dataclasses.replace(ref, path=path, device=info.st_dev, inode=info.st_ino)
+    return new_fd, dataclasses.replace(ref, path=path, device=device, inode=inode)
 
 
 __all__ = ["create_result_file", "fill_result_file"]

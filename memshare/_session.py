@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import threading
-import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,8 +46,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ._config import Settings
-from ._dumping import dump_array
-from ._folders import TempFolder, warn_fallback, warn_result_pickled
+from ._dumping import dump_array, row_slabs
+from ._errors import UnpicklableArgumentError
+from ._folders import TempFolder, unlink_quietly, warn_fallback, warn_result_pickled
+from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._reducers import InputPolicy, ResultSpec, pack
 from ._refs import DUMP, SHARED, ArrayRef
@@ -64,12 +64,12 @@ _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size 
 class _Dump:
     """One array dumped in this session."""
 
-    source: Optional[weakref.ref]  # None once the array was garbage-collected
     ref: Optional[ArrayRef]  # None while no file holds the array
     generation: int  # the generation in which the file was last known current
     pending: int = 0  # pending tasks that reference the file
     uses: int = 0  # tasks that referenced this array so far
     parent_view: Optional[np.ndarray] = field(default=None, repr=False)
+    alive: bool = True  # False once the array was garbage-collected
 
 
 class Session:
@@ -80,7 +80,7 @@ class Session:
         self.folder = TempFolder(settings.temp_folder)
         self.stats = CallStats()
         self._lock = threading.RLock()
-        self._by_id: Dict[int, _Dump] = {}
+        self._by_array: IdentityTable[_Dump] = IdentityTable()
         self._by_path: Dict[str, _Dump] = {}
         self._task_files: Dict[int, List[str]] = {}
         self._idle: OrderedDict[str, _Dump] = OrderedDict()
@@ -94,9 +94,7 @@ class Session:
         self._packing_held: List[np.ndarray] = []
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
-        # Keyed by id() with a weak reference to tell a reused id from the same
-        # array (ndarrays are unhashable, so no WeakSet).
-        self._seen: Dict[int, weakref.ref] = {}
+        self._seen: IdentityTable[None] = IdentityTable()
         self._closed = False
         self._results = ResultSpec(self.folder.pair, settings.max_nbytes)
 
@@ -196,30 +194,20 @@ class Session:
             log_decision(PICKLED, array, "in the task payload")
 
     def _first_sight(self, array: np.ndarray) -> bool:
-        key = id(array)
-        known = self._seen.get(key)
-        if known is not None and known() is array:
+        if array in self._seen:
             return False
-        # The callback keeps the table to live arrays: a long pool session over
-        # many short-lived small arrays must not grow it without bound.
-        self._seen[key] = weakref.ref(
-            array, lambda ref, key=key: self._seen.pop(key, None) if self._seen.get(key) is ref else None
-        )
+        self._seen.add(array, None)
         return True
 
     def _dump(self, array: np.ndarray, mode: Optional[str] = None) -> ArrayRef:
-        entry = self._by_id.get(id(array))
-        if entry is not None and (entry.source is None or entry.source() is not array):
-            entry = None  # cannot happen while callbacks run; defensive
+        entry = self._by_array.get(array)
         if entry is not None and entry.ref is not None and entry.generation != self._generation:
             if entry.pending == 0 and not self._matches_file(entry, array):
                 self._delete_file(entry)
             entry.generation = self._generation
         if entry is None:
-            entry = _Dump(source=None, ref=None, generation=self._generation)
-            key = id(array)
-            entry.source = weakref.ref(array, lambda _, key=key: self._forget(key))
-            self._by_id[key] = entry
+            entry = _Dump(ref=None, generation=self._generation)
+            self._by_array.add(array, entry, self._forget)
         if entry.ref is None:
             self._evict_idle(limit=self._pending_bytes())
             ref, seconds = dump_array(self.folder.pair, array, DUMP, mode or self._worker_mode())
@@ -278,9 +266,8 @@ class Session:
             entry.pending -= 1
             if entry.pending > 0:
                 continue
-            alive = entry.source is not None and entry.source() is not None
-            if not alive:
-                self._delete_file(entry)  # its entry already left _by_id (_forget)
+            if not entry.alive:
+                self._delete_file(entry)  # its entry already left _by_array (_forget)
             elif entry.uses < 2:
                 self._idle[path] = entry
 
@@ -295,13 +282,10 @@ class Session:
             idle_bytes -= entry.ref.nbytes
             self._delete_file(entry)  # the entry stays: a later use is then "shared"
 
-    def _forget(self, key: int) -> None:
-        """Weakref callback: the array behind ``key`` was garbage-collected."""
+    def _forget(self, entry: _Dump) -> None:
+        """The array of ``entry`` was garbage-collected: its file goes once no task needs it."""
         with self._lock:
-            entry = self._by_id.pop(key, None)
-            if entry is None:
-                return
-            entry.source = None
+            entry.alive = False
             if entry.pending == 0:
                 self._delete_file(entry)
 
@@ -311,15 +295,8 @@ class Session:
         self._by_path.pop(entry.ref.path, None)
         self._idle.pop(entry.ref.path, None)
         entry.parent_view = None
-        try:
-            os.unlink(entry.ref.path)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(entry.ref.path)
         entry.ref = None
-
-    def live_files(self) -> List[str]:
-        with self._lock:
-            return sorted(self._by_path)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -333,7 +310,7 @@ class Session:
             self._closed = True
             for entry in list(self._by_path.values()):
                 entry.parent_view = None
-            self._by_id.clear()
+            self._by_array.clear()
             self._by_path.clear()
             self._idle.clear()
             self._seen.clear()
@@ -341,10 +318,6 @@ class Session:
             self._held.clear()
         self.folder.remove()
         record_finished(self.stats)
-
-
-class UnpicklableArgumentError(pickle.PicklingError, TypeError):
-    """A task's function or arguments cannot be pickled to reach a worker."""
 
 
 def _name_of(func: Any) -> str:
@@ -356,11 +329,9 @@ def _name_of(func: Any) -> str:
 
 def _same_rows(array: np.ndarray, stored: np.ndarray, start: int, stop: int) -> bool:
     """Bitwise equality of ``array[start:stop]`` and ``stored[start:stop]``, a slab at a time."""
-    step = max(1, _COMPARE_BYTES // max(array[0:1].nbytes, 1))
-    for first in range(start, stop, step):
-        last = min(first + step, stop)
-        ours = _raw(np.ascontiguousarray(array[first:last]))
-        theirs = _raw(np.ascontiguousarray(stored[first:last]))
+    for rows in row_slabs(array, start, stop, _COMPARE_BYTES):
+        ours = _raw(np.ascontiguousarray(array[rows]))
+        theirs = _raw(np.ascontiguousarray(stored[rows]))
         if not np.array_equal(ours, theirs):
             return False
     return True

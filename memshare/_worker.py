@@ -19,6 +19,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
+from ._errors import RemoteTraceback, UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._reducers import ResultPolicy, ResultSpec, pack, unpack
@@ -45,21 +46,10 @@ class Outcome:
     pickled_sizes: Tuple[int, ...] = ()  # bytes of each result sent by value: no file had room
 
 
-class RemoteTraceback(Exception):
-    """The worker-side traceback, attached as ``__cause__`` of a re-raised error."""
-
-    def __str__(self) -> str:
-        return "\n\n" + str(self.args[0])
-
-
 @dataclass(frozen=True)
 class _Failure:
     exception: BaseException
     traceback: str
-
-
-class UnpicklableResultError(RuntimeError):
-    """A task's return value or exception could not be pickled."""
 
 
 def run_task(task: Task) -> Outcome:

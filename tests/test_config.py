@@ -152,7 +152,7 @@ def test_tilde_is_expanded_in_the_argument_and_both_variables(tmp_path, monkeypa
     data = np.ones(1000)
     try:
         session.pack_task(len, (data,))
-        assert os.path.dirname(session.live_files()[0]) == session.folder.pair.primary
+        assert len(os.listdir(session.folder.pair.primary)) == 1  # the dump is there
         assert session.folder.pair.primary.startswith(str(home / "shared") + os.sep)
     finally:
         session.close()

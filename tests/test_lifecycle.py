@@ -12,9 +12,9 @@ import pytest
 from conftest import files_under, memshare_entries, run_script, wait_until
 
 import memshare
-from memshare import Parallel, delayed
+from memshare import Parallel, SharedMemoryFullError, delayed
 from memshare._config import Settings
-from memshare._folders import FolderPair, SharedMemoryFullError, sweep_dead_owners
+from memshare._folders import FolderPair, sweep_dead_owners
 from memshare._owners import Owner, new_folder_name
 from memshare._session import Session
 from memshare._worker import run_task

@@ -1,0 +1,51 @@
+"""Tables keyed by the identity of live arrays, which cannot be hashed.
+
+``np.ndarray`` is unhashable, so neither a dict nor a ``WeakSet`` can key on
+one. An :class:`IdentityTable` keys on ``id()`` and keeps a weak reference
+beside each value to tell the same array from a later one given the same
+``id()``. The entry leaves the table the moment its array is collected:
+weak reference callbacks run before the memory, and so the ``id()``, can be
+reused. A long session over many short-lived arrays never grows the table.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, Generic, Optional, Tuple, TypeVar
+
+Value = TypeVar("Value")
+
+
+class IdentityTable(Generic[Value]):
+    """A value per live object, found by the object's identity."""
+
+    def __init__(self) -> None:
+        self._items: Dict[int, Tuple[weakref.ref, Value]] = {}
+
+    def get(self, obj: object) -> Optional[Value]:
+        """The value stored for ``obj`` itself, or None."""
+        item = self._items.get(id(obj))
+        if item is None or item[0]() is not obj:
+            return None
+        return item[1]
+
+    def __contains__(self, obj: object) -> bool:
+        item = self._items.get(id(obj))
+        return item is not None and item[0]() is obj
+
+    def add(self, obj: object, value: Value, on_collected: Optional[Callable[[Value], None]] = None) -> None:
+        """Store ``value`` for ``obj``; ``on_collected(value)`` runs when ``obj`` is garbage-collected."""
+        key = id(obj)
+
+        def collected(ref: weakref.ref) -> None:
+            item = self._items.get(key)
+            if item is None or item[0] is not ref:
+                return  # replaced already, or the table was cleared
+            del self._items[key]
+            if on_collected is not None:
+                on_collected(item[1])
+
+        self._items[key] = (weakref.ref(obj, collected), value)
+
+    def clear(self) -> None:
+        self._items.clear()
