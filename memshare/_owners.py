@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 FOLDER_PREFIX = "memshare-"
 _NAME_PATTERN = re.compile(r"^memshare-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})(?:-disk)?$")
@@ -105,3 +105,9 @@ def parse_folder_name(name: str) -> Optional[Owner]:
         return None
     pid, start, namespace, _ = match.groups()
     return Owner(int(pid), int(start), int(namespace))
+
+
+def owner_identity() -> Tuple[int, Optional[int]]:
+    """The (pid, start time) of this process, which its workers watch to exit when it dies."""
+    pid = os.getpid()
+    return pid, process_start_time(pid)

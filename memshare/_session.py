@@ -51,10 +51,10 @@ from ._errors import UnpicklableArgumentError
 from ._folders import TempFolder, unlink_quietly, warn_fallback, warn_result_pickled
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
+from ._protocol import Outcome, Task, restore
 from ._reducers import InputPolicy, ResultSpec, pack
 from ._refs import DUMP, SHARED, ArrayRef
 from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
-from ._worker import Outcome, Task, restore
 
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
 _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on

@@ -1,9 +1,7 @@
-"""What runs in a worker: unpack a task, run it, pack its outcome.
+"""What runs in a worker: unpack a task, run it, pack its outcome; exit with the owner.
 
-Transports (the pool, the loky backend) only ever send a :class:`Task` and
-receive an :class:`Outcome`. Both are small: large arrays inside them are
-file references. ``run_task`` never raises: a failure travels back as an
-outcome, so the parent can release the task's files and re-raise the
+``run_task`` never raises: a failure travels back as an outcome (see
+``_protocol``), so the parent can release the task's files and re-raise the
 original exception with the worker's traceback.
 """
 
@@ -14,42 +12,13 @@ import pickle
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional
 
-import numpy as np
-
-from ._errors import RemoteTraceback, UnpicklableResultError
+from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
-from ._reducers import ResultPolicy, ResultSpec, pack, unpack
-from ._refs import ArrayRef
-
-
-@dataclass(frozen=True)
-class Task:
-    token: int  # identifies the task in the parent's session
-    stream: bytes  # (function, args, kwargs), packed with the input policy
-    results: ResultSpec
-
-
-@dataclass(frozen=True)
-class Outcome:
-    token: int
-    ok: bool
-    stream: bytes  # the return value packed with the result policy, or a _Failure
-    result_arrays: int = 0  # arrays returned through result files
-    result_bytes: int = 0
-    # Results that moved while written: (first path, where now: a file, or the array by value).
-    moved: Tuple[Tuple[str, Union[ArrayRef, np.ndarray]], ...] = ()
-    fallback_sizes: Tuple[int, ...] = ()  # bytes of each result written to the disk fallback
-    pickled_sizes: Tuple[int, ...] = ()  # bytes of each result sent by value: no file had room
-
-
-@dataclass(frozen=True)
-class _Failure:
-    exception: BaseException
-    traceback: str
+from ._protocol import Failure, Outcome, Task
+from ._reducers import ResultPolicy, pack, unpack
 
 
 def run_task(task: Task) -> Outcome:
@@ -60,7 +29,7 @@ def run_task(task: Task) -> Outcome:
         value = _call(task.stream)
         ok = True
     except BaseException as exc:  # KeyboardInterrupt too: its type must reach the caller
-        ok, value = False, _Failure(exc, traceback.format_exc())
+        ok, value = False, Failure(exc, traceback.format_exc())
     del task  # drop the input mappings before packing the result
     what = type(value if ok else value.exception).__name__
     try:
@@ -72,7 +41,7 @@ def run_task(task: Task) -> Outcome:
         policy.write_pending()
     except BaseException as exc:
         policy.discard_written()
-        failure = _Failure(_packing_error(exc, ok, what), traceback.format_exc())
+        failure = Failure(_packing_error(exc, ok, what), traceback.format_exc())
         ok, stream = False, pack(failure, _by_value)  # no files this time: nothing would write them
     sent = policy.files_sent()
     return Outcome(
@@ -120,20 +89,6 @@ def _size(path: str) -> int:
         return 0
 
 
-def restore(outcome: Outcome):
-    """In the parent: (True, value) or (False, exception with remote traceback)."""
-    try:
-        value = unpack(outcome.stream, dict(outcome.moved))
-    except BaseException as exc:
-        return False, exc
-    if outcome.ok:
-        return True, value
-    exc = value.exception
-    if exc.__cause__ is None:
-        exc.__cause__ = RemoteTraceback(value.traceback)
-    return False, exc
-
-
 def watch_parent(parent: int, parent_start: Optional[int], interval: float = 0.5) -> None:
     """Exit this worker when the process that owns it (pid ``parent``) dies.
 
@@ -158,9 +113,3 @@ def watch_parent(parent: int, parent_start: Optional[int], interval: float = 0.5
                 os._exit(1)
 
     threading.Thread(target=_watch, name="memshare-parent-watch", daemon=True).start()
-
-
-def owner_identity() -> Tuple[int, Optional[int]]:
-    """The (pid, start time) that workers of this process should watch."""
-    pid = os.getpid()
-    return pid, process_start_time(pid)

@@ -31,9 +31,10 @@ from loky.process_executor import ShutdownExecutorError, TerminatedWorkerError
 
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
+from ._owners import owner_identity
 from ._session import Session
 from ._stats import CallStats, enable_logging, record_finished
-from ._worker import owner_identity, run_task, watch_parent
+from ._worker import run_task, watch_parent
 
 BACKEND_NAME = "memshare"
 

@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
+from ._owners import owner_identity
+from ._protocol import Outcome
 from ._session import Session
-from ._worker import Outcome, owner_identity, run_task, watch_parent
+from ._worker import run_task, watch_parent
 
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
 

@@ -25,9 +25,10 @@ from memshare._config import Settings
 from memshare._dumping import CHUNK_BYTES
 from memshare._folders import FolderPair
 from memshare._owners import Owner, new_folder_name
+from memshare._protocol import Task, restore
 from memshare._reducers import ResultSpec
 from memshare._session import Session
-from memshare._worker import Task, restore, run_task
+from memshare._worker import run_task
 
 N = 3 * CHUNK_BYTES // 8 + 1000  # float64 elements: a few pieces, the last one partial
 
