@@ -12,13 +12,13 @@ traceback (:func:`restore`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple, Union
+from typing import Any, List, Tuple
 
 import numpy as np
 
 from ._errors import RemoteTraceback
-from ._reducers import ResultSpec, unpack
-from ._refs import ArrayRef
+from ._reducers import ResultSpec, Slot, unpack
+from ._refs import RESULT, ArrayRef
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,27 @@ class Task:
 
 @dataclass(frozen=True)
 class Outcome:
-    """Worker to parent: what became of one task."""
+    """Worker to parent: what became of one task.
+
+    The stream names each large array of the return value by a slot number;
+    ``slots[n]`` says where slot ``n``'s array is: a result file to adopt
+    (kind ``RESULT``, in the call's folder or its disk fallback), the user's
+    own file mapping to view (kinds ``USER`` and ``SHARED``), or the array
+    itself, sent by value because no file had room.
+    """
 
     token: int
     ok: bool
-    stream: bytes  # the return value packed with the result policy, or a Failure
-    result_arrays: int = 0  # arrays returned through result files
-    result_bytes: int = 0
-    # Results that moved while written: (first path, where now: a file, or the array by value).
-    moved: Tuple[Tuple[str, Union[ArrayRef, np.ndarray]], ...] = ()
-    fallback_sizes: Tuple[int, ...] = ()  # bytes of each result written to the disk fallback
-    pickled_sizes: Tuple[int, ...] = ()  # bytes of each result sent by value: no file had room
+    stream: bytes  # the return value packed by the result policy, or a Failure
+    slots: Tuple[Slot, ...] = ()
+
+    def result_files(self) -> List[ArrayRef]:
+        """The slots that are result files the parent adopts."""
+        return [where for where in self.slots if isinstance(where, ArrayRef) and where.kind == RESULT]
+
+    def by_value(self) -> List[np.ndarray]:
+        """The slots sent by value because no file had room."""
+        return [where for where in self.slots if isinstance(where, np.ndarray)]
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class Failure:
 def restore(outcome: Outcome) -> Tuple[bool, Any]:
     """In the parent: (True, value) or (False, exception with remote traceback)."""
     try:
-        value = unpack(outcome.stream, dict(outcome.moved))
+        value = unpack(outcome.stream, outcome.slots)
     except BaseException as exc:
         return False, exc
     if outcome.ok:

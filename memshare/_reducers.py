@@ -13,7 +13,9 @@ handed to an *array policy* first:
   own file mappings come back as references to the same memory; other large
   arrays, including views of the call's temporary dumps, are written to a
   new result file that the parent adopts (see :func:`adopt_result`), after
-  the value is pickled (see ``_result_files``).
+  the value is pickled (see ``_result_files``). Each of these is stored
+  outside the stream as a numbered *slot* (pickle's ``persistent_id``), and
+  the outcome's slot table says where each slot's array ended up.
 
 Payloads (plain ``bytes``) are pickled with cloudpickle (lambdas, functions of ``__main__``)
 and pickle protocol 5.
@@ -22,12 +24,10 @@ and pickle protocol 5.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
-import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -68,39 +68,77 @@ def _plain_reduction(array: np.ndarray) -> Reduction:
     return np.asarray(array).view(np.ndarray).__reduce_ex__(5)
 
 
-def pack(obj: Any, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) -> bytes:
+class _SlotPickler(_Pickler):
+    """A pickler that stores some arrays outside the stream, as slot numbers.
+
+    ``persistent_id`` is pickle's hook for objects kept outside the stream:
+    it runs before any other way of pickling an object, and what it returns
+    is all the stream holds of it. The unpickler's ``persistent_load`` turns
+    the number back into the array (see :func:`unpack`).
+    """
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        reduce_array: Callable[[np.ndarray], Optional[Reduction]],
+        slot_of: Callable[[np.ndarray], Optional[int]],
+    ) -> None:
+        super().__init__(file, reduce_array)
+        self._slot_of = slot_of
+
+    def persistent_id(self, obj: Any) -> Optional[int]:
+        if type(obj) is np.ndarray or type(obj) is np.memmap:
+            return self._slot_of(obj)
+        return None
+
+
+def pack(
+    obj: Any,
+    reduce_array: Callable[[np.ndarray], Optional[Reduction]],
+    slot_of: Optional[Callable[[np.ndarray], Optional[int]]] = None,
+) -> bytes:
+    """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead."""
     buffer = io.BytesIO()
-    _Pickler(buffer, reduce_array).dump(obj)
+    pickler = _Pickler(buffer, reduce_array) if slot_of is None else _SlotPickler(buffer, reduce_array, slot_of)
+    pickler.dump(obj)
     return buffer.getvalue()
 
 
-#: Where results that moved while written are now: a new file, or the array itself,
-#: sent by value because no file had room. Keyed by the path the payload names.
-Moves = Dict[str, Union[ArrayRef, np.ndarray]]
+#: Where a result slot's array is: a file (a result file to adopt, or the
+#: user's own mapping to view), or the array itself when no file had room.
+Slot = Union[ArrayRef, np.ndarray]
 
 
-def unpack(stream: bytes, moved: Optional[Moves] = None) -> Any:
-    """Unpickle a payload; ``moved`` is a worker's record of results that moved (see ``ResultPolicy``)."""
-    if not moved:
+def unpack(stream: bytes, slots: Sequence[Slot] = ()) -> Any:
+    """Unpickle a payload; ``slots`` says where the arrays it names by slot number are."""
+    if not slots:
         return pickle.loads(stream)
-    return _FollowingMoves(io.BytesIO(stream), moved).load()
+    return _SlotUnpickler(io.BytesIO(stream), slots).load()
 
 
-class _FollowingMoves(pickle.Unpickler):
-    """Unpickles results with :func:`adopt_result` told where moved results are now.
+class _SlotUnpickler(pickle.Unpickler):
+    """Loads each slot once, however often the stream names it: the same array comes back as one object."""
 
-    ``find_class`` is the hook pickle gives for choosing what a global name
-    loads: the payload names ``adopt_result`` and gets it with the moves bound.
-    """
-
-    def __init__(self, file: io.BytesIO, moved: Moves) -> None:
+    def __init__(self, file: io.BytesIO, slots: Sequence[Slot]) -> None:
         super().__init__(file)
-        self._moved = moved
+        self._slots = slots
+        self._loaded: Dict[int, np.ndarray] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == adopt_result.__module__ and name == adopt_result.__name__:
-            return functools.partial(adopt_result, moved=self._moved)
-        return super().find_class(module, name)
+    def persistent_load(self, pid: Any) -> np.ndarray:
+        if not isinstance(pid, int) or not 0 <= pid < len(self._slots):
+            raise pickle.UnpicklingError(f"memshare: a result names slot {pid!r}, which the outcome does not have")
+        if pid not in self._loaded:
+            self._loaded[pid] = _load_slot(self._slots[pid])
+        return self._loaded[pid]
+
+
+def _load_slot(where: Slot) -> np.ndarray:
+    """In the parent: the array of a result slot."""
+    if isinstance(where, np.ndarray):
+        return where  # no file had room: it came by value
+    if where.kind == RESULT:
+        return adopt_result(where)
+    return _rebuild_reference(where)
 
 
 def _rebuild_input(ref: ArrayRef) -> np.memmap:
@@ -121,20 +159,14 @@ def _owned_here(ref: ArrayRef) -> bool:
     return lookup_shared(ref) is not None
 
 
-def adopt_result(ref: ArrayRef, moved: Optional[Moves] = None) -> np.ndarray:
+def adopt_result(ref: ArrayRef) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
     From then on the memory lives exactly as long as the returned array (the
     mapping is its base); nothing is left on disk whatever happens next. The
     array is a plain, writable ``np.ndarray``: the mapping is shared but no
-    other process has the file any more. ``moved`` maps the paths of results
-    that moved while the worker wrote them to where they are now.
+    other process has the file any more.
     """
-    if moved:
-        now = moved.get(ref.path, ref)
-        if isinstance(now, np.ndarray):
-            return now  # no file had room: it came by value
-        ref = now
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
     base = map_file(dataclasses.replace(ref, mode="r+"))
@@ -234,47 +266,65 @@ class ResultSpec:
 class ResultPolicy:
     """Worker side: how return values travel.
 
-    Large arrays are not written while the return value is pickled: each
-    gets an empty file and a reference at once, and :meth:`write_pending`
-    writes them once the pickler and the task's own variables are gone. By
-    then memshare often holds the only reference to an array, and its memory
-    can be freed as it is written (see ``_release``).
+    Every large array of the return value, and every view of a file mapping,
+    becomes a *slot*: the stream holds its number only, and :attr:`slots`
+    says where its data is, once :meth:`write_pending` has run: a result
+    file the parent adopts, the worker's own shared array handed over, the
+    user's file mapping to view, or the array itself when no file had room.
+    Small arrays are pickled in the stream.
 
-    Records the files it made, so that they can be removed if anything
-    fails, the results that moved while written (see ``_result_files``), and
-    the sizes of those that went to the disk fallback or by value, for the
-    parent to warn about and count.
+    Large arrays are not written while the return value is pickled: each
+    gets an empty file at once, and :meth:`write_pending` writes them once
+    the pickler and the task's own variables are gone. By then memshare often
+    holds the only reference to an array, and its memory can be freed as it
+    is written (see ``_release``).
+
+    Records the files it made, so that they can be removed if anything fails.
     """
 
     def __init__(self, spec: ResultSpec) -> None:
         self.spec = spec
-        self.written: List[str] = []
-        self.moved: Moves = {}
-        self.fallback_sizes: List[int] = []  # results written to the disk fallback
-        self.pickled_sizes: List[int] = []  # results sent by value: no file had room
-        # (reference, one-item list holding the array): the list is the only
+        self.slots: List[Optional[Slot]] = []  # None until the slot's file is written
+        self._written: List[str] = []  # every file made, to remove on failure
+        self._slot_by_id: Dict[int, int] = {}  # the same array twice is one slot
+        # Arrays sent by reference or handed over, held while pickling so that
+        # their id() cannot be reused by a temporary array of a __reduce__.
+        self._held: List[np.ndarray] = []
+        # (slot, reference, one-item list holding the array): the list is the only
         # reference memshare keeps, which _release.can_release relies on.
-        self._pending: List[Tuple[ArrayRef, List[np.ndarray]]] = []
+        self._pending: List[Tuple[int, ArrayRef, List[np.ndarray]]] = []
 
-    def __call__(self, array: np.ndarray) -> Optional[Reduction]:
+    def slot_of(self, array: np.ndarray) -> Optional[int]:
+        """The slot ``array`` travels in, or None to pickle it in the stream."""
+        slot = self._slot_by_id.get(id(array))
+        if slot is not None:
+            return slot
         if array.dtype.hasobject or array.nbytes == 0:
             return None
         ref = find_backing(array)
         if ref is not None and ref.kind == SHARED and _owned_here(ref):
             handed = self._hand_over(ref)
             if handed is not None:
-                return adopt_result, (handed,)
+                self._held.append(array)
+                return self._new_slot(array, handed)
         elif ref is not None and ref.kind in (USER, SHARED):
             log_decision(REFERENCED, array, ref.path)
-            return _rebuild_reference, (ref,)
+            self._held.append(array)
+            return self._new_slot(array, ref)
         # A view of a temporary dump (or of anything else) must come back as
         # independent memory: the dump is deleted when the call ends.
         if self.spec.max_nbytes is None or array.nbytes <= self.spec.max_nbytes:
             return None
         ref = create_result_file(self.spec.folder, array)
-        self.written.append(ref.path)
-        self._pending.append((ref, [array]))
-        return adopt_result, (ref,)
+        self._written.append(ref.path)
+        slot = self._new_slot(array, None)
+        self._pending.append((slot, ref, [array]))
+        return slot
+
+    def _new_slot(self, array: np.ndarray, where: Optional[Slot]) -> int:
+        self.slots.append(where)
+        slot = self._slot_by_id[id(array)] = len(self.slots) - 1
+        return slot
 
     def write_pending(self) -> None:
         """Write the arrays of the pickled return value into their files.
@@ -284,24 +334,17 @@ class ResultPolicy:
         is written with it already freed.
         """
         pending, self._pending = self._pending, []
+        self._slot_by_id.clear()
+        self._held.clear()
         pending.reverse()  # pop() from the end, in the order they were pickled
         while pending:
-            ref, box = pending.pop()
+            slot, ref, box = pending.pop()
             release = can_release(box)  # before box[0] is read again: that read is one more reference
             final = fill_result_file(self.spec.folder, ref, box[0], release)
             box.clear()
-            if isinstance(final, np.ndarray):
-                self.moved[ref.path] = final
-                self.pickled_sizes.append(final.nbytes)
-            elif final.path != ref.path:
-                self.moved[ref.path] = final
-                self.written.append(final.path)
-                if os.path.dirname(final.path) == self.spec.folder.fallback:
-                    self.fallback_sizes.append(final.nbytes)
-
-    def files_sent(self) -> List[str]:
-        """The files the parent will adopt: one per array sent through a file."""
-        return [path for path in self.written if path not in self.moved]
+            if isinstance(final, ArrayRef) and final.path != ref.path:
+                self._written.append(final.path)  # it moved to a new file
+            self.slots[slot] = final
 
     def _hand_over(self, ref: ArrayRef) -> Optional[ArrayRef]:
         """Give the parent a shared array this worker allocated, with no copy.
@@ -313,18 +356,28 @@ class ResultPolicy:
         path = self.spec.folder.link_file(ref.path, RESULT)
         if path is None:
             return None
-        self.written.append(path)
+        self._written.append(path)
         return dataclasses.replace(ref, path=path, kind=RESULT, mode="r+")
 
     def discard_written(self) -> None:
-        """Remove every file made so far, written or not."""
+        """Remove every file made so far, written or not, and forget every slot."""
         self._pending.clear()
-        self.moved.clear()
-        self.fallback_sizes.clear()
-        self.pickled_sizes.clear()
-        for path in self.written:
+        self._slot_by_id.clear()
+        self._held.clear()
+        self.slots.clear()
+        for path in self._written:
             unlink_quietly(path)
-        self.written.clear()
+        self._written.clear()
+
+
+def by_value(array: np.ndarray) -> None:
+    """An array policy that pickles every array in the stream, as numpy does."""
+    return None
+
+
+def pack_result(value: Any, policy: ResultPolicy) -> bytes:
+    """Pickle a task's return value (or failure) with its large arrays in ``policy``'s slots."""
+    return pack(value, by_value, policy.slot_of)
 
 
 __all__ = [
@@ -333,6 +386,8 @@ __all__ = [
     "ResultPolicy",
     "ResultSpec",
     "adopt_result",
+    "by_value",
     "pack",
+    "pack_result",
     "unpack",
 ]

@@ -20,8 +20,7 @@ piece is only released once written). When no location has room at all,
 the result is sent by value instead, as joblib sends every result: a copy
 in the worker's memory, made of the pieces already written (read back) and
 the rest of the array. The returned reference (or copy) says where the
-result ended up; the worker sends the moves with its outcome and the parent
-follows them when it adopts the results.
+result ended up, which is what the outcome's slot table tells the parent.
 """
 
 from __future__ import annotations

@@ -154,17 +154,19 @@ class Session:
         per call like inputs, and are counted.
         """
         self.task_done(outcome.token)
-        self.stats.add(
-            results_by_reference=outcome.result_arrays,
-            bytes_results_by_reference=outcome.result_bytes,
-            fallback_files=len(outcome.fallback_sizes),
-            results_pickled_no_room=len(outcome.pickled_sizes),
-        )
+        files, by_value = outcome.result_files(), outcome.by_value()
         pair = self.folder.pair
-        if outcome.fallback_sizes and pair.fallback is not None:
-            warn_fallback(pair.primary, pair.fallback, max(outcome.fallback_sizes), stacklevel=2)
-        if outcome.pickled_sizes:
-            warn_result_pickled(pair, max(outcome.pickled_sizes))
+        on_disk = [ref.nbytes for ref in files if os.path.dirname(ref.path) == pair.fallback]
+        self.stats.add(
+            results_by_reference=len(files),
+            bytes_results_by_reference=sum(ref.nbytes for ref in files),
+            fallback_files=len(on_disk),
+            results_pickled_no_room=len(by_value),
+        )
+        if on_disk:
+            warn_fallback(pair.primary, pair.fallback, max(on_disk), stacklevel=2)
+        if by_value:
+            warn_result_pickled(pair, max(array.nbytes for array in by_value))
         return restore(outcome)
 
     def task_done(self, token: int) -> None:

@@ -18,7 +18,7 @@ from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
-from ._reducers import ResultPolicy, pack, unpack
+from ._reducers import ResultPolicy, by_value, pack, pack_result, unpack
 
 
 def run_task(task: Task) -> Outcome:
@@ -33,27 +33,17 @@ def run_task(task: Task) -> Outcome:
     del task  # drop the input mappings before packing the result
     what = type(value if ok else value.exception).__name__
     try:
-        stream = pack(value, policy)
-        # The pickled value only holds references to result files now. With the
-        # value dropped, memshare's pending list is often the only owner of each
+        stream = pack_result(value, policy)
+        # The pickled value only holds slot numbers now. With the value
+        # dropped, memshare's pending list is often the only owner of each
         # large array, which lets write_pending free them as they are written.
         del value
         policy.write_pending()
     except BaseException as exc:
         policy.discard_written()
         failure = Failure(_packing_error(exc, ok, what), traceback.format_exc())
-        ok, stream = False, pack(failure, _by_value)  # no files this time: nothing would write them
-    sent = policy.files_sent()
-    return Outcome(
-        token=token,
-        ok=ok,
-        stream=stream,
-        result_arrays=len(sent),
-        result_bytes=sum(_size(p) for p in sent),
-        moved=tuple(policy.moved.items()),
-        fallback_sizes=tuple(policy.fallback_sizes),
-        pickled_sizes=tuple(policy.pickled_sizes),
-    )
+        ok, stream = False, pack(failure, by_value)  # no slots this time: nothing would write them
+    return Outcome(token=token, ok=ok, stream=stream, slots=tuple(policy.slots))
 
 
 def _call(stream: bytes):
@@ -61,11 +51,6 @@ def _call(stream: bytes):
     # when it returns: a result they still referenced could not be released.
     func, args, kwargs = unpack(stream)
     return func(*args, **kwargs)
-
-
-def _by_value(array) -> None:
-    """An array policy that sends every array by value."""
-    return None
 
 
 def _packing_error(exc: BaseException, ok: bool, what: str) -> BaseException:
@@ -80,13 +65,6 @@ def _packing_error(exc: BaseException, ok: bool, what: str) -> BaseException:
         f"memshare: the task's {'return value' if ok else 'exception'} ({what}) "
         f"cannot be pickled to send it back: {exc!r}"
     )
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
 
 
 def watch_parent(parent: int, parent_start: Optional[int], interval: float = 0.5) -> None:

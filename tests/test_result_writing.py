@@ -108,8 +108,9 @@ def run_in_this_process(folders, func, *args):
 @pytest.mark.parametrize("func", [ones, fortran, frame_and_dict])
 def test_results_only_memshare_holds_are_freed_as_they_are_written(folders, released, func):
     outcome, value = run_in_this_process(folders, func, N)
-    assert outcome.result_arrays >= 1
-    assert sum(released) >= 0.99 * outcome.result_bytes  # all but the partial pages at the ends
+    files = outcome.result_files()
+    assert len(files) >= 1
+    assert sum(released) >= 0.99 * sum(ref.nbytes for ref in files)  # all but the partial pages at the ends
     assert max(released) <= CHUNK_BYTES  # piece by piece, not at the end
     expected = func(N)
     if isinstance(expected, dict):
@@ -146,7 +147,7 @@ def test_the_worker_holds_a_result_about_once_while_writing_it(folders, monkeypa
     nbytes = 8 * CHUNK_BYTES
     before = _rss_anon()
     outcome, value = run_in_this_process(folders, ones, nbytes // 8)
-    assert outcome.result_bytes == nbytes and len(samples) >= 8
+    assert [ref.nbytes for ref in outcome.result_files()] == [nbytes] and len(samples) >= 8
     # Written whole and then dropped, it would be 2 x nbytes at the last piece.
     assert max(samples) - before < nbytes + 2 * CHUNK_BYTES
     assert value.sum() == nbytes // 8
@@ -168,9 +169,8 @@ def test_a_result_moves_to_the_fallback_when_room_runs_out_midway(folders, relea
         # The worker's stderr is out of the caller's sight: the parent warns (see below).
         warnings.simplefilter("error", memshare.SharedMemoryFallbackWarning)
         outcome, value = run_in_this_process(folders, ones, N)
-    assert len(outcome.moved) == 1 and outcome.fallback_sizes == (N * 8,)
-    first, now = outcome.moved[0]
-    assert first.startswith(folders.primary) and now.path.startswith(folders.fallback)
+    (moved,) = outcome.slots
+    assert moved.path.startswith(folders.fallback) and moved.nbytes == N * 8  # the first file is gone (fixture)
     np.testing.assert_array_equal(value, np.ones(N))  # the pieces written before the move were copied
     assert sum(released) >= 0.99 * N * 8  # released before and after the move
 
@@ -195,11 +195,23 @@ def test_a_result_that_fits_in_no_file_comes_back_by_value(folders, released, mo
     monkeypatch.setattr(result_files, "reserve", reserve)
     monkeypatch.setattr(folders_module, "reserve", reserve)
     outcome, value = run_in_this_process(folders, func, N)
-    assert outcome.pickled_sizes and outcome.result_arrays == len(outcome.fallback_sizes) == 0
+    assert outcome.by_value() and outcome.result_files() == []
     got, want = (value, func(N)) if isinstance(value, tuple) else ((value,), (func(N),))
     for got_array, want_array in zip(got, want):
         np.testing.assert_array_equal(got_array, want_array)  # pieces written before the failure were read back
     assert got[0].flags.f_contiguous == want[0].flags.f_contiguous  # the file's layout, Fortran for fortran()
+
+
+def same_twice(n):
+    array = np.full(n, 5.0)
+    return {"first": array, "again": [array, array[::2]]}
+
+
+def test_an_array_returned_twice_is_one_slot_and_comes_back_as_one_array(folders, released):
+    outcome, value = run_in_this_process(folders, same_twice, N)
+    assert len(outcome.slots) == 2  # the array, and its view: written once each
+    assert value["first"] is value["again"][0]
+    np.testing.assert_array_equal(value["again"][1], np.full(N, 5.0)[::2])
 
 
 def _rss_anon() -> int:
