@@ -26,7 +26,7 @@ class Task:
     """Parent to worker: one call to run."""
 
     token: int  # identifies the task in the parent's session
-    stream: bytes  # (function, args, kwargs), packed with the input policy
+    stream: bytes  # (function, args, kwargs), pickled with large arrays as file references
     results: ResultSpec
 
 

@@ -3,12 +3,13 @@
 This module knows nothing of pools or executors. It turns any picklable
 object into a payload in which every ``np.ndarray`` (nested
 anywhere: in tuples, dicts, DataFrames, sparse matrices, estimators) was
-handed to an *array policy* first:
+handed to an *array policy* first, which carries out the route ``_routes``
+chose for it:
 
-* :class:`InputPolicy`, in the parent, for task arguments: arrays already
-  backed by a file mapping become references whatever their size; other
-  arrays larger than ``max_nbytes`` are dumped once (by the session, which
-  deduplicates by identity) and become references; the rest are pickled.
+* task arguments, in the parent: the session decides each array's route
+  (see ``_routes``) and reduces arrays that live in a file to
+  :func:`input_reduction`, which the worker maps on unpickling; the rest
+  are pickled.
 * :class:`ResultPolicy`, in a worker, for return values: views of the user's
   own file mappings come back as references to the same memory; other large
   arrays, including views of the call's temporary dumps, are written to a
@@ -34,9 +35,10 @@ import numpy as np
 
 from ._folders import FolderPair, unlink_quietly
 from ._mapping import array_from_ref, map_file
-from ._refs import DUMP, RESULT, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
+from ._refs import RESULT, ArrayRef
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
+from ._routes import HAND_OVER, REFERENCE, RESULT_FILE, copied_route, result_route
 from ._shared_store import lookup_shared
 from ._stats import REFERENCED, log_decision
 
@@ -175,84 +177,9 @@ def adopt_result(ref: ArrayRef) -> np.ndarray:
     return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
 
 
-class InputPolicy:
-    """Parent side: how task arguments travel (call it on each array).
-
-    ``dump`` is the session's deduplicating writer, given the array and the
-    mode workers must map it with (None: the session's ``mmap_mode``);
-    ``on_reference`` lets the session count the files each task depends on.
-    """
-
-    def __init__(
-        self,
-        max_nbytes: Optional[int],
-        dump: Callable[[np.ndarray, Optional[str]], ArrayRef],
-        on_reference: Callable[[ArrayRef, np.ndarray], None],
-        on_pickled: Callable[[np.ndarray], None],
-    ) -> None:
-        self.max_nbytes = max_nbytes
-        self._dump = dump
-        self._on_reference = on_reference
-        self._on_pickled = on_pickled
-        #: The error this policy raised (no room for a dump, say), if any: a
-        #: failure of memshare's own, not of pickling the caller's arguments.
-        self.error: Optional[BaseException] = None
-
-    def __call__(self, array: np.ndarray) -> Optional[Reduction]:
-        try:
-            return self._reduce(array)
-        except BaseException as exc:
-            self.error = exc
-            raise
-
-    def _reduce(self, array: np.ndarray) -> Optional[Reduction]:
-        if array.dtype.hasobject or array.nbytes == 0:
-            self._on_pickled(array)
-            return None
-        ref = find_backing(array)
-        if ref is not None:
-            self._on_reference(ref, array)
-            return _rebuild_input, (ref,)
-        if self.max_nbytes is None or array.nbytes <= self.max_nbytes:
-            self._on_pickled(array)
-            return None
-        ref = self._view_of_dumped_base(array)
-        if ref is None:
-            ref = self._dump(array, _dump_mode(array))
-        return _rebuild_input, (ref,)
-
-    def _view_of_dumped_base(self, array: np.ndarray) -> Optional[ArrayRef]:
-        """Send a large view as a view of its dumped base array, if that is better.
-
-        ``delayed(f)(X.T)`` in a loop makes a new view object per task; dumped
-        one by one, each would be written again. When the view covers at least
-        half of a contiguous base, the base is dumped once (deduplicated by its
-        identity, like any array) and every view becomes a reference into it,
-        with its own offset, strides and dtype: the file has the base's exact
-        memory layout. Small views of big arrays are still dumped alone.
-        """
-        base = root_array(array)
-        if base is array or base.dtype.hasobject or 2 * array.nbytes < base.nbytes:
-            return None
-        if type(base) is not np.ndarray or not (base.flags.c_contiguous or base.flags.f_contiguous):
-            return None
-        base_ref = self._dump(base, None)
-        offset = base_ref.offset + data_address(array) - data_address(base)
-        return dataclasses.replace(
-            base_ref, offset=offset, shape=tuple(array.shape), strides=tuple(array.strides), dtype=array.dtype
-        )
-
-
-def _dump_mode(array: np.ndarray) -> Optional[str]:
-    """The mode workers map ``array``'s dump with, when it is not the session's.
-
-    A copy-on-write memmap is copied (its private pages may differ from its
-    file) and the copy is mapped copy-on-write, as joblib maps the memmap:
-    writable, with writes private to each task.
-    """
-    if is_copy_on_write(array):
-        return "c" if array.flags.writeable else "r"
-    return None
+def input_reduction(ref: ArrayRef) -> Reduction:
+    """How a task argument found in the file at ``ref`` is pickled: the worker maps it on unpickling."""
+    return _rebuild_input, (ref,)
 
 
 @dataclass(frozen=True)
@@ -299,21 +226,18 @@ class ResultPolicy:
         slot = self._slot_by_id.get(id(array))
         if slot is not None:
             return slot
-        if array.dtype.hasobject or array.nbytes == 0:
-            return None
-        ref = find_backing(array)
-        if ref is not None and ref.kind == SHARED and _owned_here(ref):
-            handed = self._hand_over(ref)
+        route = result_route(array, self.spec.max_nbytes, _owned_here)
+        if route.kind == HAND_OVER:
+            handed = self._hand_over(route.ref)
             if handed is not None:
                 self._held.append(array)
                 return self._new_slot(array, handed)
-        elif ref is not None and ref.kind in (USER, SHARED):
-            log_decision(REFERENCED, array, ref.path)
+            route = copied_route(array, self.spec.max_nbytes)
+        if route.kind == REFERENCE:
+            log_decision(REFERENCED, array, route.ref.path)
             self._held.append(array)
-            return self._new_slot(array, ref)
-        # A view of a temporary dump (or of anything else) must come back as
-        # independent memory: the dump is deleted when the call ends.
-        if self.spec.max_nbytes is None or array.nbytes <= self.spec.max_nbytes:
+            return self._new_slot(array, route.ref)
+        if route.kind != RESULT_FILE:
             return None
         ref = create_result_file(self.spec.folder, array)
         self._written.append(ref.path)
@@ -381,8 +305,7 @@ def pack_result(value: Any, policy: ResultPolicy) -> bytes:
 
 
 __all__ = [
-    "DUMP",
-    "InputPolicy",
+    "input_reduction",
     "ResultPolicy",
     "ResultSpec",
     "adopt_result",

@@ -35,6 +35,7 @@ Early deletion
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -52,8 +53,9 @@ from ._folders import TempFolder, unlink_quietly, warn_fallback, warn_result_pic
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._protocol import Outcome, Task, restore
-from ._reducers import InputPolicy, ResultSpec, pack
+from ._reducers import Reduction, ResultSpec, input_reduction, pack
 from ._refs import DUMP, SHARED, ArrayRef
+from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, input_route, view_in_dump
 from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
 
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
@@ -72,6 +74,20 @@ class _Dump:
     alive: bool = True  # False once the array was garbage-collected
 
 
+@dataclass
+class _TaskRecord:
+    """What one pending task holds: made while its arguments are pickled, dropped when it is done."""
+
+    files: List[str] = field(default_factory=list)  # one entry per use of a dump file
+    # Shared arrays the task references, kept alive until the task is done:
+    # their file is deleted when the last view dies, and a worker may not
+    # have mapped it yet.
+    held: List[np.ndarray] = field(default_factory=list)
+    #: memshare's own failure while carrying out a route (no room for a dump,
+    #: say), as opposed to a failure to pickle the caller's arguments.
+    error: Optional[BaseException] = None
+
+
 class Session:
     """Dumps, references and results of one pool or call. Thread-safe."""
 
@@ -79,19 +95,16 @@ class Session:
         self.settings = settings
         self.folder = TempFolder(settings.temp_folder)
         self.stats = CallStats()
+        # Re-entrant because a dumped array may be garbage-collected while
+        # this thread packs a task, and its weak reference callback (_forget)
+        # then takes the lock in the same thread.
         self._lock = threading.RLock()
         self._by_array: IdentityTable[_Dump] = IdentityTable()
-        self._by_path: Dict[str, _Dump] = {}
-        self._task_files: Dict[int, List[str]] = {}
+        self._by_path: Dict[str, _Dump] = {}  # the dump table: current files only
+        self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
         self._idle: OrderedDict[str, _Dump] = OrderedDict()
         self._tokens = itertools.count(1)
         self._generation = 0
-        self._packing: Optional[List[str]] = None  # files of the task being packed
-        # Shared arrays each pending task references, kept alive until the task
-        # is done: their file is deleted when the last view dies, and a worker
-        # may not have mapped it yet.
-        self._held: Dict[int, List[np.ndarray]] = {}
-        self._packing_held: List[np.ndarray] = []
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
@@ -117,16 +130,16 @@ class Session:
         dumping (``SharedMemoryFullError``...) and ``KeyboardInterrupt`` are
         raised as themselves.
         """
-        policy = InputPolicy(self.settings.max_nbytes, self._dump, self._on_reference, self._on_pickled)
+        record = _TaskRecord()
+        reduce_array = functools.partial(self._reduce_argument, record)
         with self._lock:
             self._check_open()
             token = next(self._tokens)
-            self._packing, self._packing_held = files, held = [], []
             try:
-                stream = pack((func, args, kwargs or {}), policy)
+                stream = pack((func, args, kwargs or {}), reduce_array)
             except Exception as exc:
-                self._release(files)
-                if exc is policy.error:
+                self._release(record.files)
+                if exc is record.error:
                     raise
                 raise UnpicklableArgumentError(
                     f"memshare: cannot send a call of {_name_of(func)} to a worker process: "
@@ -135,13 +148,9 @@ class Session:
                     "not), create such objects inside the task, or use backend='threading'."
                 ) from exc
             except BaseException:
-                self._release(files)
+                self._release(record.files)
                 raise
-            finally:
-                self._packing, self._packing_held = None, []
-            self._task_files[token] = files
-            if held:
-                self._held[token] = held
+            self._tasks[token] = record
             self.stats.add(tasks=1, bytes_pickled=len(stream))
         return Task(token, stream, self._results)
 
@@ -172,28 +181,42 @@ class Session:
     def task_done(self, token: int) -> None:
         """The task ``token`` will not read its inputs any more (done or abandoned)."""
         with self._lock:
-            files = self._task_files.pop(token, None)
-            self._held.pop(token, None)
-            if files:
-                self._release(files)
+            record = self._tasks.pop(token, None)
+            if record is not None:
+                self._release(record.files)
 
-    # -- the input policy's callbacks (called with the lock held) -------------
+    # -- carrying out routes (called while pickling, with the lock held) -------
 
-    def _on_reference(self, ref: ArrayRef, array: np.ndarray) -> None:
-        if ref.kind == DUMP and ref.path in self._by_path:
-            # A view of one of this session's dumps (sent from a nested call).
-            self._use(self._by_path[ref.path])
-            return
-        if ref.kind == SHARED:
-            self._packing_held.append(array)
-        if self._first_sight(array):
-            self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
-            log_decision(REFERENCED, array, ref.path)
+    def _reduce_argument(self, record: _TaskRecord, array: np.ndarray) -> Optional[Reduction]:
+        """The pickler's array policy for task arguments: decide the route, carry it out into ``record``."""
+        try:
+            route = input_route(array, self.settings.max_nbytes, self._by_path.keys())
+            return self._carry_out(route, array, record)
+        except BaseException as exc:
+            record.error = exc
+            raise
 
-    def _on_pickled(self, array: np.ndarray) -> None:
-        if self._first_sight(array):
-            self.stats.add(arrays_pickled=1)
-            log_decision(PICKLED, array, "in the task payload")
+    def _carry_out(self, route: Route, array: np.ndarray, record: _TaskRecord) -> Optional[Reduction]:
+        if route.kind == PICKLE:
+            if self._first_sight(array):
+                self.stats.add(arrays_pickled=1)
+                log_decision(PICKLED, array, "in the task payload")
+            return None
+        if route.kind == REFERENCE:
+            if route.ref.kind == SHARED:
+                record.held.append(array)
+            if self._first_sight(array):
+                self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
+                log_decision(REFERENCED, array, route.ref.path)
+            return input_reduction(route.ref)
+        if route.kind == VIEW_OF_DUMP and route.source is None:
+            # A view of one of this session's dumps, met again (sent from a nested call).
+            self._use(self._by_path[route.ref.path], record)
+            return input_reduction(route.ref)
+        if route.kind == VIEW_OF_DUMP:
+            base_ref = self._dump(route.source, None, record)
+            return input_reduction(view_in_dump(array, route.source, base_ref))
+        return input_reduction(self._dump(route.source, route.mode, record))
 
     def _first_sight(self, array: np.ndarray) -> bool:
         if array in self._seen:
@@ -201,7 +224,7 @@ class Session:
         self._seen.add(array, None)
         return True
 
-    def _dump(self, array: np.ndarray, mode: Optional[str] = None) -> ArrayRef:
+    def _dump(self, array: np.ndarray, mode: Optional[str], record: _TaskRecord) -> ArrayRef:
         entry = self._by_array.get(array)
         if entry is not None and entry.ref is not None and entry.generation != self._generation:
             if entry.pending == 0 and not self._matches_file(entry, array):
@@ -219,19 +242,17 @@ class Session:
             if not self.folder.pair.primary == os.path.dirname(ref.path):
                 self.stats.add(fallback_files=1)
             log_decision(DUMPED, array, ref.path, seconds)
-        self._use(entry)
+        self._use(entry, record)
         return entry.ref
 
     def _worker_mode(self) -> str:
         return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode
 
-    def _use(self, entry: _Dump) -> None:
-        if entry.ref is not None:
-            self._idle.pop(entry.ref.path, None)
+    def _use(self, entry: _Dump, record: _TaskRecord) -> None:
+        self._idle.pop(entry.ref.path, None)
         entry.uses += 1
         entry.pending += 1
-        if self._packing is not None:
-            self._packing.append(entry.ref.path)
+        record.files.append(entry.ref.path)
 
     # -- lifetimes -------------------------------------------------------------
 
@@ -316,8 +337,7 @@ class Session:
             self._by_path.clear()
             self._idle.clear()
             self._seen.clear()
-            self._task_files.clear()
-            self._held.clear()
+            self._tasks.clear()
         self.folder.remove()
         record_finished(self.stats)
 

@@ -1,0 +1,197 @@
+"""The one decision of how an array travels, tested with no processes and no session.
+
+``input_route`` and ``result_route`` are pure: they read the array and what
+the sender holds, and change nothing. Every route is covered here; the
+sessions and workers that carry them out are tested elsewhere.
+"""
+
+import mmap
+
+import numpy as np
+import pytest
+
+import memshare
+from memshare._owners import Owner, new_folder_name
+from memshare._refs import DUMP, SHARED, USER
+from memshare._routes import (
+    BY_VALUE,
+    DUMP_ARRAY,
+    HAND_OVER,
+    PICKLE,
+    REFERENCE,
+    RESULT_FILE,
+    VIEW_OF_DUMP,
+    copied_route,
+    input_route,
+    result_route,
+    view_in_dump,
+)
+
+LIMIT = 1024  # max_nbytes of these tests: arrays of more than 128 float64 are large
+LARGE = 1000
+NOTHING_HELD = frozenset()
+
+
+def never_owned(ref):
+    return False
+
+
+def always_owned(ref):
+    return True
+
+
+@pytest.fixture
+def user_memmap(tmp_path):
+    path = tmp_path / "data.bin"
+    np.arange(float(LARGE)).tofile(path)
+    array = np.memmap(path, dtype=np.float64, mode="r+")
+    yield array
+    del array
+
+
+@pytest.fixture
+def dump_memmap(tmp_path):
+    """A memmap of a file where a session writes its dumps (a memshare folder, a ``dump-`` name)."""
+    folder = tmp_path / new_folder_name(Owner.current())
+    folder.mkdir()
+    path = folder / "dump-0123456789abcdef.bin"
+    np.arange(float(LARGE)).tofile(path)
+    array = np.memmap(path, dtype=np.float64, mode="r")
+    yield array
+    del array
+
+
+# -- arguments -----------------------------------------------------------------
+
+
+def test_small_object_and_empty_arrays_are_pickled():
+    for array in (np.ones(10), np.array([object()] * LARGE, dtype=object), np.empty((0, LARGE))):
+        assert input_route(array, LIMIT, NOTHING_HELD).kind == PICKLE
+
+
+def test_large_arrays_are_dumped_and_nothing_is_dumped_without_a_threshold():
+    array = np.ones(LARGE)
+    route = input_route(array, LIMIT, NOTHING_HELD)
+    assert route.kind == DUMP_ARRAY and route.source is array and route.mode is None
+    assert input_route(array, None, NOTHING_HELD).kind == PICKLE
+
+
+def test_user_memmaps_and_their_views_go_by_reference_whatever_their_size(user_memmap):
+    for array in (user_memmap, user_memmap[::3], user_memmap[:4]):
+        route = input_route(array, LIMIT, NOTHING_HELD)
+        assert route.kind == REFERENCE and route.ref.kind == USER
+        assert route.ref.shape == array.shape and route.ref.strides == array.strides
+
+
+def test_arrays_over_a_raw_file_mmap_go_by_reference(tmp_path):
+    path = tmp_path / "raw.bin"
+    path.write_bytes(bytes(8 * LARGE))
+    with open(path, "r+b") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0)
+    array = np.frombuffer(mapping, dtype=np.float64)
+    try:
+        route = input_route(array, LIMIT, NOTHING_HELD)
+        assert route.kind == REFERENCE and route.ref.path == str(path)
+    finally:
+        del array, route
+        mapping.close()
+
+
+def test_copy_on_write_memmaps_are_dumped_and_mapped_copy_on_write(user_memmap):
+    writable = np.memmap(user_memmap.filename, dtype=np.float64, mode="c")
+    route = input_route(writable, LIMIT, NOTHING_HELD)
+    assert route.kind == DUMP_ARRAY and route.mode == "c"
+    read_only = writable[:]
+    read_only.flags.writeable = False
+    assert input_route(read_only, LIMIT, NOTHING_HELD).mode == "r"
+    assert input_route(writable[:4], LIMIT, NOTHING_HELD).kind == PICKLE  # small: by value, as any array
+
+
+def test_a_view_covering_half_of_a_contiguous_base_is_a_view_of_the_base_dump():
+    flat = np.arange(float(LARGE))
+    base = flat.reshape(20, 50)
+    for view in (base.T, base[10:], base[:, 1:]):
+        route = input_route(view, LIMIT, NOTHING_HELD)
+        assert route.kind == VIEW_OF_DUMP and route.source is flat and route.ref is None  # the root is dumped
+
+
+def test_a_view_covering_less_than_half_of_its_base_is_dumped_alone():
+    base = np.arange(float(4 * LARGE))
+    view = base[: LARGE + 1]
+    route = input_route(view, LIMIT, NOTHING_HELD)
+    assert route.kind == DUMP_ARRAY and route.source is view
+
+
+def test_view_in_dump_keeps_the_views_geometry_in_the_bases_file(user_memmap):
+    base = np.arange(float(LARGE)).reshape(20, 50)
+    base_ref = input_route(user_memmap, LIMIT, NOTHING_HELD).ref  # any file reference with offset 0
+    for view in (base.T, base[10:, ::-1], base[:, 1:].view(np.int64)):
+        ref = view_in_dump(view, base, base_ref)
+        assert (ref.shape, ref.strides, ref.dtype) == (view.shape, view.strides, view.dtype)
+        assert ref.path == base_ref.path and ref.offset == view.__array_interface__["data"][0] - base.ctypes.data
+
+
+def test_shared_arrays_and_their_views_go_by_reference(shm_dir):
+    shared = memshare.empty(LARGE)
+    try:
+        for array in (shared, shared[1:3]):
+            route = input_route(array, LIMIT, NOTHING_HELD)
+            assert route.kind == REFERENCE and route.ref.kind == SHARED
+    finally:
+        del shared, array
+
+
+def test_a_view_of_a_dump_the_session_holds_is_a_view_of_that_dump(dump_memmap):
+    held = {dump_memmap.filename}
+    route = input_route(dump_memmap[::2], LIMIT, held)
+    assert route.kind == VIEW_OF_DUMP and route.ref.kind == DUMP and route.source is None
+    assert route.ref.path == dump_memmap.filename
+    # Another session's dump (a nested call's input) is a plain reference.
+    assert input_route(dump_memmap[::2], LIMIT, NOTHING_HELD).kind == REFERENCE
+
+
+def test_deciding_changes_nothing():
+    array = np.ones(LARGE)
+    held = frozenset({"/nowhere"})
+    assert input_route(array, LIMIT, held) == input_route(array, LIMIT, held)
+    assert array.flags.writeable and array.base is None
+
+
+# -- results -------------------------------------------------------------------
+
+
+def test_small_object_and_empty_results_are_pickled():
+    for array in (np.ones(10), np.array([object()] * LARGE, dtype=object), np.empty((LARGE, 0))):
+        assert result_route(array, LIMIT, never_owned).kind == BY_VALUE
+
+
+def test_large_results_go_to_a_result_file_unless_there_is_no_threshold():
+    assert result_route(np.ones(LARGE), LIMIT, never_owned).kind == RESULT_FILE
+    assert result_route(np.ones(LARGE), None, never_owned).kind == BY_VALUE
+
+
+def test_results_viewing_a_user_file_go_by_reference(user_memmap):
+    route = result_route(user_memmap[2:], LIMIT, never_owned)
+    assert route.kind == REFERENCE and route.ref.kind == USER
+
+
+def test_views_of_a_dump_come_back_as_copies(dump_memmap):
+    assert result_route(dump_memmap, LIMIT, never_owned).kind == RESULT_FILE
+    assert result_route(dump_memmap[:4], LIMIT, never_owned).kind == BY_VALUE
+
+
+def test_shared_arrays_are_handed_over_by_their_owner_and_referenced_by_others(shm_dir):
+    shared = memshare.empty(LARGE)
+    try:
+        handed = result_route(shared, LIMIT, always_owned)
+        assert handed.kind == HAND_OVER and handed.ref.kind == SHARED
+        referenced = result_route(shared[:4], LIMIT, never_owned)
+        assert referenced.kind == REFERENCE and referenced.ref.kind == SHARED
+    finally:
+        del shared
+
+
+def test_a_result_that_must_be_copied_is_a_file_when_large():
+    assert copied_route(np.ones(LARGE), LIMIT).kind == RESULT_FILE
+    assert copied_route(np.ones(4), LIMIT).kind == BY_VALUE
+    assert copied_route(np.ones(LARGE), None).kind == BY_VALUE
