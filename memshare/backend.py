@@ -13,7 +13,6 @@ never restarts the workers.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import threading
@@ -24,6 +23,7 @@ import loky
 from joblib.parallel import (
     AutoBatchingMixin,
     FallbackToBackend,
+    LokyBackend,
     ParallelBackendBase,
     SequentialBackend,
 )
@@ -81,16 +81,17 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self._epoch = 0
 
     def effective_n_jobs(self, n_jobs) -> int:
+        """The number of workers a call gets, by joblib's rules for its loky backend.
+
+        memshare's workers are loky workers, so the same limits apply, with
+        the same warnings: one worker (sequential) in a daemonic process such
+        as a ``multiprocessing.Pool`` worker, and below a thread of a nested
+        call (forking from a non-main thread is unsafe). A throwaway
+        ``LokyBackend`` at this backend's nesting level decides, so the rules
+        and messages stay joblib's own in every joblib version.
+        """
         n_jobs = _check_n_jobs(n_jobs)
-        if n_jobs is None or n_jobs == 1:
-            return 1
-        if mp.current_process().daemon:
-            return 1  # daemonic processes cannot have children
-        if not (self.in_main_thread() or self.nesting_level == 0):
-            return 1  # no fork from a non-main thread of a nested call
-        if n_jobs < 0:
-            n_jobs = max(loky.cpu_count() + 1 + n_jobs, 1)
-        return n_jobs
+        return LokyBackend(nesting_level=self.nesting_level).effective_n_jobs(n_jobs)
 
     def configure(
         self,
