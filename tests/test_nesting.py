@@ -63,5 +63,6 @@ def test_inside_a_memshare_worker_as_inside_a_loky_worker(backend):
     loky = joblib.Parallel(n_jobs=2, backend="loky")(delayed(nested_call)(backend) for _ in range(1))
     mine = joblib.Parallel(n_jobs=2, backend="memshare")(delayed(nested_call)(backend) for _ in range(1))
     if backend == "multiprocessing":
-        assert loky == [(["Multiprocessing-backed parallel loops cannot be nested, below loky, setting n_jobs=1"], True)]
+        warning = "Multiprocessing-backed parallel loops cannot be nested, below loky, setting n_jobs=1"
+        assert loky == [([warning], True)]
     assert mine == loky
