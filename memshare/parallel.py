@@ -68,9 +68,11 @@ class Parallel(joblib.Parallel):
     takes the same sizes as ``MemmappingPool`` (``"10 KiB"``, ``"1 GB"``,
     ``"0"`` as well as joblib's ``"1M"``).
 
-    ``progress=True`` shows a tqdm bar on stderr: tasks done out of the
-    total (when the iterable has a length), rate and ETA. It works with
-    every ``return_as``; it is off by default.
+    ``progress=True`` shows a tqdm bar (``tqdm.auto``: on stderr in a
+    terminal, a widget in Jupyter): tasks done out of the total, rate and
+    ETA. The total of an iterable without a length, such as a generator, is
+    known once joblib has taken its last task; until then the bar counts
+    tasks. It works with every ``return_as``; it is off by default.
     """
 
     def __init__(self, n_jobs=None, backend=None, *args, progress: bool = False, **kwargs):
@@ -80,6 +82,7 @@ class Parallel(joblib.Parallel):
         super().__init__(n_jobs, backend, *args, **kwargs)
         self.progress = bool(progress)
         self._bar: Optional[Any] = None
+        self._dispatched_all = False
 
     def __call__(self, iterable):
         if not self.progress:
@@ -87,12 +90,14 @@ class Parallel(joblib.Parallel):
         from tqdm.auto import tqdm
 
         total = len(iterable) if hasattr(iterable, "__len__") else None
+        self._dispatched_all = False
         self._bar = tqdm(total=total, file=sys.stderr, unit="task", desc="memshare", dynamic_ncols=True)
         try:
             output = super().__call__(iterable)
         except BaseException:
             self._close_bar()
             raise
+        self._dispatched_all = True
         if self.return_generator:
             return self._close_bar_after(output)
         self._close_bar()
@@ -100,11 +105,27 @@ class Parallel(joblib.Parallel):
 
     def print_progress(self) -> None:
         # joblib calls this after every completed batch, from whichever
-        # thread completed it; tqdm serialises its own updates.
+        # thread completed it, holding the call's lock; tqdm serialises its
+        # own updates.
         super().print_progress()
         bar = self._bar
         if bar is not None:
+            if bar.total is None and self._dispatch_finished():
+                bar.total = self.n_dispatched_tasks  # from now on the bar shows n/total and an ETA
             bar.update(self.n_completed_tasks - bar.n)
+
+    def _dispatch_finished(self) -> bool:
+        """True once joblib has taken the last task from the iterable, so ``n_dispatched_tasks`` is the total.
+
+        joblib drops its reference to the iterable when it finds it exhausted
+        (or when the call ends), which is how its own ``verbose`` output learns
+        the total of a generator. With ``pre_dispatch="all"`` the reference is
+        dropped before dispatching starts: the total is known once joblib's
+        ``__call__`` has returned, after dispatching everything.
+        """
+        if self.pre_dispatch == "all" and not self._dispatched_all:
+            return False
+        return getattr(self, "_original_iterator", None) is None and not getattr(self, "_iterating", False)
 
     def _close_bar_after(self, output: Iterator) -> Iterator:
         try:
@@ -115,6 +136,8 @@ class Parallel(joblib.Parallel):
     def _close_bar(self) -> None:
         bar, self._bar = self._bar, None
         if bar is not None:
+            if bar.total is None and self._dispatch_finished():
+                bar.total = self.n_dispatched_tasks
             bar.update(max(self.n_completed_tasks, getattr(self, "n_dispatched_tasks", 0)) - bar.n)
             bar.close()
 
