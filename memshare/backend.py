@@ -45,6 +45,15 @@ BACKEND_NAME = "memshare"
 _LEAK_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
 _NO_LEAK_LIMIT = str(2**62)
 
+# Under batch_size="auto" joblib groups fast tasks into batches of up to
+# hundreds, and the files a batch dumps stay until the whole batch is done, so
+# 300 fast tasks over distinct 8 MB arrays held about 500 MB of files at once.
+# A batch is capped so that what it dumps stays near this budget (one task at
+# least); a call then holds a few batches' worth (joblib keeps about
+# pre_dispatch batches in flight), however fast its tasks. Tasks that dump
+# nothing, such as tiny tasks, are batched as joblib would.
+_BATCH_DUMP_BUDGET = 8 * 1024**2
+
 
 def _check_n_jobs(n_jobs: Any) -> Optional[int]:
     if n_jobs is None:
@@ -79,6 +88,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         # flags before it changes the call id, and a late error arriving in
         # that window would be charged to the next call of a managed context.
         self._epoch = 0
+        self._dumped_per_task = 0.0  # bytes dumped per task by the last batch, for compute_batch_size
 
     def effective_n_jobs(self, n_jobs) -> int:
         """The number of workers a call gets, by joblib's rules for its loky backend.
@@ -133,13 +143,35 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
             self._n_jobs, timeout=self._timeout, env=env, initializer=watch_parent, initargs=owner_identity()
         )
 
+    def compute_batch_size(self) -> int:
+        """joblib's automatic batch size, capped so that a batch dumps about ``_BATCH_DUMP_BUDGET`` at most."""
+        batch_size = super().compute_batch_size()
+        if self._dumped_per_task > 0:
+            cap = max(1, int(_BATCH_DUMP_BUDGET // self._dumped_per_task))
+            if batch_size > cap:
+                # The mixin's own record of the size in use: batch_completed
+                # only learns durations of batches of that size.
+                batch_size = self._effective_batch_size = cap
+        return batch_size
+
+    def reset_batch_stats(self) -> None:
+        super().reset_batch_stats()
+        self._dumped_per_task = 0.0
+
+    def _note_dumped(self, nbytes: int, batch) -> None:
+        # The last batch's figure, not an average: a batch that dumps an array
+        # every later task reuses must not cap the batches that dump nothing.
+        self._dumped_per_task = nbytes / max(1, len(batch) if hasattr(batch, "__len__") else 1)
+
     def start_call(self) -> None:
         if self._session is not None:
             self._session.new_generation()
 
     def submit(self, func, callback=None):
         session = self._session
+        dumped_before = session.stats.bytes_dumped  # joblib dispatches one batch at a time, under its lock
         task = session.pack_task(func)
+        self._note_dumped(session.stats.bytes_dumped - dumped_before, func)
         future = self._executor.submit(run_task, task)
         future.memshare_session = session
         token, epoch = task.token, self._epoch
