@@ -1,10 +1,11 @@
-"""The command line: ``python -m memshare {doctor,clean,bench}``.
+"""The command line: ``python -m memshare {doctor,clean,bench}`` (or the ``memshare`` script), ``--version``.
 
 ``doctor`` checks the machine (see ``_doctor``); ``clean`` removes the folders
 of owners that died without cleaning up (killed together with their watchdog,
 or a machine that lost power mid-cleanup); ``bench`` hands its arguments to
-``memshare._bench``. Exit status: 0 when all is well, 1 when doctor found a
-problem or clean could not remove something, 2 for usage errors.
+``memshare._bench``. Usage lines name the command as it was invoked. Exit
+status: 0 when all is well, 1 when doctor found a problem or clean could not
+remove something, 2 for usage errors.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
+from . import __version__
 from ._config import format_bytes, parse_max_nbytes
 from ._doctor import run_doctor
 from ._folders import SHM_ROOT, candidate_bases, list_folders, sweep_dead_owners
@@ -26,11 +28,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, with one subcommand per task."""
-    parser = argparse.ArgumentParser(
-        prog="python -m memshare", description="Check, clean and benchmark memshare's shared memory."
-    )
+def build_parser(prog: str = "python -m memshare") -> argparse.ArgumentParser:
+    """The argument parser, with one subcommand per task; ``prog`` is the command's name in usage lines."""
+    parser = argparse.ArgumentParser(prog=prog, description="Check, clean and benchmark memshare's shared memory.")
+    parser.add_argument("--version", action="version", version=f"memshare {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{doctor,clean,bench}")
     commands.required = True
     shm_help = f"the shared memory location to check and search for folders (default {SHM_ROOT})"
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--shm", default=SHM_ROOT, metavar="PATH", help="also search this location")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
 
-    commands.add_parser("bench", help="run benchmarks (arguments go to memshare._bench; see bench --help)")
+    commands.add_parser("bench", help="compare memshare with joblib on this machine (see bench --help)")
     return parser
 
 
@@ -86,22 +87,15 @@ def clean(shm: str = SHM_ROOT, dry_run: bool = False) -> int:
     return 1 if failed else 0
 
 
-def _bench(argv: List[str]) -> int:
-    try:
-        from . import _bench
-    except ImportError as exc:
-        print(f"memshare bench is not available: cannot import memshare._bench ({exc})", file=sys.stderr)
-        return 2
-    return int(_bench.main(argv) or 0)
-
-
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare") -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the subcommand; return the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "bench":
         # Everything after "bench" belongs to the benchmark's own parser, --help included.
-        return _bench(args[1:])
-    options = build_parser().parse_args(args)
+        from . import _bench
+
+        return int(_bench.main(args[1:], prog=f"{prog} bench") or 0)
+    options = build_parser(prog).parse_args(args)
     if options.command == "doctor":
         return run_doctor(shm=options.shm, need=options.need)
     return clean(shm=options.shm, dry_run=options.dry_run)

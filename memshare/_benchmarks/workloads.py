@@ -194,8 +194,9 @@ class Workload:
     ``prepare(size, quick)`` builds the data; ``tasks(data, pickles)`` gives the
     task list (pickling contenders may get slices); ``pickled_bytes(data)`` is what a
     pickling contender would copy per call, for the harness's budget; ``calls`` is
-    how many calls one timed run makes. ``select(data, contender)`` picks the data a
-    contender gets (workload (i): a shared array for memshare, a plain one for the others).
+    how many calls one timed run makes. ``select(data, contender)`` turns the prepared data
+    into what a contender gets (workload (i): a shared copy for memshare, the plain array for
+    the others); :meth:`prepare_for` does both, in the contender's own process.
     ``limit_bytes(data)``, when set, is the size written and first-touched by the limit's
     parts (:data:`LIMIT_PARTS`), which the harness then times along with the contenders.
     """
@@ -216,12 +217,20 @@ class Workload:
     extra: Dict[str, Any] = field(default_factory=dict)
     select: Callable[[Any, str], Any] = lambda data, contender: data
     limit_bytes: Optional[Callable[[Any], int]] = None
+    # How the limit is made of its parts: "inputs" (the data goes to the workers: serial / workers + one write
+    # + one first touch) or "results" (each worker makes and writes its own share of the results, which the
+    # parent maps without reading: (serial + one write) / workers).
+    limit_formula: str = "inputs"
+
+    def prepare_for(self, size: int, quick: bool, contender: str) -> Any:
+        """The data ``contender`` gets, built in its own process."""
+        return self.select(self.prepare(size, quick), contender)
 
     def expected(self, data: Any) -> Any:
         """The answer, computed serially outside any timing."""
         if self.custom_run is not None:
             return self.custom_run(data, "serial", 1)
-        return [func(*args) for func, args in self.tasks(self.select(data, "serial"), False)]
+        return [func(*args) for func, args in self.tasks(data, False)]
 
     @contextlib.contextmanager
     def session(self, data: Any, contender: str, n_jobs: int) -> Iterator[Callable[[], Any]]:
@@ -237,7 +246,7 @@ class Workload:
                     _warm_backend(contender, n_jobs)
                 yield lambda: custom(data, contender, n_jobs)
             return
-        tasks = self.tasks(self.select(data, contender), contender in PICKLING)
+        tasks = self.tasks(data, contender in PICKLING)
         with runner(contender, n_jobs) as r:
             if self.managed_second_call:
                 r.managed()
@@ -307,16 +316,13 @@ def _shared_array(size: int, quick: bool) -> Any:
     return memshare.share(_array(size, quick))
 
 
-def _plain_and_shared(size: int, quick: bool) -> tuple:
-    """The array twice: plain, and as a shared copy made before any timing (so before the memory baseline)."""
+def _shared_for_memshare(a: np.ndarray, contender: str) -> np.ndarray:
+    """A shared copy for memshare, made before any timing (so before the memory baseline); others get ``a``."""
+    if contender != "memshare":
+        return a
     import memshare
 
-    plain = _array(size, quick)
-    return plain, memshare.share(plain)
-
-
-def _pick_shared(data: tuple, contender: str) -> np.ndarray:
-    return data[1] if contender == "memshare" else data[0]
+    return memshare.share(a)
 
 
 def _shared_skip() -> Optional[str]:
@@ -378,6 +384,7 @@ def make_workloads() -> Dict[str, Workload]:
             lambda size, quick: max(8, size // 8 // 8),
             lambda n, pickles: [(make_full, (n, float(i))) for i in range(8)],
             limit_bytes=lambda n: 8 * n * 8,
+            limit_formula="results",
         ),
         "d": Workload(
             "d",
@@ -424,11 +431,11 @@ def make_workloads() -> Dict[str, Workload]:
             "i",
             "shared-array loop: 10 separate calls of workload (a) over the same array; memshare gets "
             "memshare.share(array) (made before the memory baseline), joblib and memshare-plain a plain np.ndarray",
-            _plain_and_shared,
+            _array,
             _chunks,
             contenders=("memshare", "memshare-plain", "joblib", "serial"),
             calls=10,
             skip_reason=_shared_skip,
-            select=_pick_shared,
+            select=_shared_for_memshare,
         ),
     }

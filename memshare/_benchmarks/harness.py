@@ -9,7 +9,7 @@ memshare/joblib from the same run is the figure to trust, not absolute times.
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib.util
 import os
 import platform
 import re
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .memory import MemorySampler
+from .processes import ContenderProcess
 from .workloads import CONTENDERS, LIMIT_PARTS, PICKLING, make_workloads
 
 GiB = 1 << 30
@@ -29,7 +29,6 @@ MiB = 1 << 20
 QUICK_SIZE = 8 * MiB
 DEFAULT_WORKLOADS = "abcdefghi"
 LOOP_WORKLOAD = "i"  # the shared-array loop: per-call overheads and memory per call against the data size
-STAT_KEYS = ("bytes_dumped", "dump_seconds", "arrays_referenced", "results_by_reference", "arrays_pickled")
 
 
 def parse_size(text: str) -> int:
@@ -104,6 +103,8 @@ class Measurement:
     peak_extra_bytes: int
     correct: bool
     stats: Dict[str, Any] = field(default_factory=dict)
+    pid: int = 0  # the contender's own process
+    imported_memshare: bool = False  # whether that process had imported memshare
 
 
 @dataclass
@@ -117,15 +118,7 @@ class Report:
     notes: List[str] = field(default_factory=list)
     titles: Dict[str, str] = field(default_factory=dict)
     memory_mode: str = "tree"
-
-
-def _time_one(run, memory_mode: str) -> tuple:
-    gc.collect()
-    with MemorySampler(os.getpid(), mode=memory_mode) as sampler:
-        start = time.perf_counter()
-        result = run()
-        seconds = time.perf_counter() - start
-    return result, seconds, sampler.peak_extra_bytes
+    limit_formulas: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.limit_formula
 
 
 def run_benchmark(
@@ -141,12 +134,13 @@ def run_benchmark(
 ) -> Report:
     """Run the chosen workloads (keys ``a``-``i``) for each contender ``repeats`` times, interleaved.
 
-    Workloads with ``limit_bytes`` also time the parts of memshare's limit (:data:`LIMIT_PARTS`: one write of
-    the data to /dev/shm, one first touch of it in a worker) in the same rotation as the contenders.
+    Each contender runs each workload in a process of its own (:class:`ContenderProcess`), started before the
+    workload's first run and ended after its last, so that no contender can bias another; memory is sampled
+    over that process's tree only. Workloads with ``limit_bytes`` also time the parts of memshare's limit
+    (:data:`LIMIT_PARTS`: one write of the data to /dev/shm, one first touch of it in a worker) in the same
+    rotation as the contenders.
     """
     from tqdm import tqdm
-
-    import memshare
 
     size = size or (QUICK_SIZE if quick else default_size())
     report = Report(size=size, n_jobs=n_jobs, repeats=repeats, memory_mode=memory_mode)
@@ -166,7 +160,11 @@ def run_benchmark(
             continue
         names = [c for c in workload.contenders if c in contenders]
         if workload.limit_bytes is not None and "memshare" in names:
-            names += list(LIMIT_PARTS)
+            # The results' limit has no first touch: the parent maps the result files without reading them.
+            names += [part for part in LIMIT_PARTS if workload.limit_formula == "inputs" or part != "first-touch"]
+            report.limit_formulas[workload.key] = workload.limit_formula
+        # Pickling contenders last: the pickled size, learnt from the first prepared process, may skip them.
+        names.sort(key=lambda name: name in PICKLING)
         jobs_values = workload.n_jobs_values or (n_jobs,)
         if quick:
             jobs_values = tuple(j for j in jobs_values if j <= 2) or (1,)
@@ -177,42 +175,47 @@ def run_benchmark(
     try:
         for workload, names, jobs_values in plans:
             bar.set_description(f"({workload.key}) preparing")
-            data = workload.prepare(size, quick)
-            expected = workload.expected(data)
-            pickled = workload.pickled_bytes(data)
-            for jobs in jobs_values:
-                active = list(names)
-                for name in PICKLING:
-                    if name in active and pickled > pickle_budget:
-                        active.remove(name)
-                        bar.update(repeats)
-                        note = (
+            processes: Dict[str, ContenderProcess] = {}
+            try:
+                pickled = None
+                for name in names:
+                    if name in PICKLING and pickled is not None and pickled > pickle_budget:
+                        bar.update(repeats * len(jobs_values))
+                        report.notes.append(
                             f"({workload.key}) {name} skipped: it would pickle {format_size(pickled)} per call "
                             f"(budget {format_size(pickle_budget)})"
                         )
-                        if note not in report.notes:  # once, not once per n_jobs value
-                            report.notes.append(note)
-                for repeat in range(repeats):
-                    shift = repeat % len(active)
-                    for name in active[shift:] + active[:shift]:
-                        bar.set_description(f"({workload.key}) {name} n_jobs={jobs} #{repeat + 1}")
-                        with workload.session(data, name, jobs if name != "serial" else 1) as run:
-                            result, seconds, peak = _time_one(run, memory_mode)
-                        correct = True if name in LIMIT_PARTS else workload.check(result, expected)
-                        del result
-                        if not correct:
-                            report.notes.append(f"({workload.key}) {name} n_jobs={jobs}: WRONG RESULT")
-                        stats = {}
-                        # A sequential call (n_jobs=1) resets the figures to zeros, so they are never stale.
-                        if name.startswith("memshare"):
-                            figures = memshare.last_call_stats() or {}
-                            stats = {k: v for k, v in figures.items() if k in STAT_KEYS}
-                        report.measurements.append(Measurement(workload.key, name, jobs, seconds, peak, correct, stats))
-                        bar.update(1)
-            del data, expected
+                        continue
+                    processes[name] = ContenderProcess(name)
+                    prepared = processes[name].prepare(workload.key, size, quick)
+                    pickled = prepared if pickled is None else pickled
+                _run_rotation(report, workload.key, processes, jobs_values, repeats, bar)
+            finally:
+                for process in processes.values():
+                    process.close()
     finally:
         bar.close()
     return report
+
+
+def _run_rotation(report: Report, key: str, processes: Dict[str, Any], jobs_values, repeats: int, bar) -> None:
+    """Every contender of one workload, ``repeats`` times per n_jobs, in an order rotated at each repeat."""
+    active = list(processes)
+    for jobs in jobs_values:
+        for repeat in range(repeats):
+            shift = repeat % len(active)
+            for name in active[shift:] + active[:shift]:
+                bar.set_description(f"({key}) {name} n_jobs={jobs} #{repeat + 1}")
+                process = processes[name]
+                seconds, peak, correct, stats, imported = process.measure(
+                    jobs if name != "serial" else 1, report.memory_mode
+                )
+                if not correct:
+                    report.notes.append(f"({key}) {name} n_jobs={jobs}: WRONG RESULT")
+                report.measurements.append(
+                    Measurement(key, name, jobs, seconds, peak, correct, stats, process.pid, imported)
+                )
+                bar.update(1)
 
 
 def _groups(report: Report) -> Dict[tuple, List[Measurement]]:
@@ -261,11 +264,15 @@ def _median(report: Report, workload: str, jobs: int, contender: str) -> Optiona
 
 
 def limit_rows(report: Report) -> List[Dict[str, Any]]:
-    """memshare against its limit: serial / workers + one write of the data + one first touch per worker.
+    """memshare against its limit, the fastest a call could be given the work that cannot be avoided.
 
-    Each part is the median of its own measurements in this run. Workers are capped at the core count
-    (8 workers on 2 cores cannot divide the serial time by 8). The n_jobs sweep (h) reuses the parts timed
-    for (a), the same workload; at n_jobs=1 the limit is the serial time (nothing to send).
+    For inputs (the data goes to the workers): serial / workers + one write of the data to /dev/shm + one
+    first touch of it by a worker. For results (``Workload.limit_formula == "results"``: each worker makes
+    its share of the results and writes it once to /dev/shm; the parent maps the files and reads nothing
+    during the call): (serial + one write of the results) / workers. Each part is the median of its own
+    measurements in this run. Workers are capped at the core count (8 workers on 2 cores cannot divide the
+    serial time by 8). The n_jobs sweep (h) reuses the parts timed for (a), the same workload; at n_jobs=1
+    the limit is the serial time (nothing to send).
     """
     cores = os.cpu_count() or 1
     rows = []
@@ -278,10 +285,16 @@ def limit_rows(report: Report) -> List[Dict[str, Any]]:
         serial = _median(report, source, source_jobs, "serial")
         write = _median(report, source, source_jobs, "shm-write")
         touch = _median(report, source, source_jobs, "first-touch")
-        if serial is None or write is None or touch is None:
+        formula = report.limit_formulas.get(source, "inputs")
+        if serial is None or write is None or (touch is None and formula == "inputs"):
             continue
         workers = min(jobs, cores)
-        limit = serial if jobs == 1 else serial / workers + write + touch
+        if jobs == 1:
+            limit = serial
+        elif formula == "results":
+            limit = (serial + write) / workers
+        else:
+            limit = serial / workers + write + touch
         row = {
             "workload": workload,
             "n_jobs": jobs,
@@ -289,6 +302,7 @@ def limit_rows(report: Report) -> List[Dict[str, Any]]:
             "serial": serial,
             "write": write,
             "touch": touch,
+            "formula": formula,
             "limit": limit,
         }
         for contender in ("memshare", "joblib"):
@@ -361,11 +375,15 @@ def markdown_table(report: Report) -> str:
     if limits:
         lines += [
             "",
-            "memshare against the limit = serial time / workers + one write of the data to /dev/shm + one first "
-            "touch per worker (map a freshly written file of the data's size in a started worker, read every page "
-            "once). Each part is the median of its own runs, interleaved with the contenders above; workers are "
-            "capped at the core count; (h) uses the parts timed for (a); at n_jobs=1 the limit is the serial time. "
-            "For (c) the write and the touch are of the results' total size.",
+            "memshare against the limit: the fastest a call could be, given the work it cannot avoid. "
+            "Inputs (all but (c)): serial time / workers + one write of the data to /dev/shm + one first touch "
+            "(map a freshly written file of the data's size in a started worker, read every page once). "
+            "Results ((c)): (serial time + one write of the results to /dev/shm) / workers, since each worker "
+            "makes and writes its own share and the parent maps the files without reading them; no touch. "
+            "Each part is the median of its own runs, interleaved with the contenders above; workers are "
+            "capped at the core count; (h) uses the parts timed for (a); at n_jobs=1 the limit is the serial "
+            "time. A ratio below 1 means the limit's parts were measured slower than memshare did the same work "
+            "(noise, or page faults a part pays and memshare avoids).",
             "",
             "| workload | n_jobs | serial | write | first touch | limit | memshare | memshare / limit "
             "| joblib / limit |",
@@ -373,7 +391,8 @@ def markdown_table(report: Report) -> str:
         ]
         for r in limits:
             lines.append(
-                f"| ({r['workload']}) | {r['n_jobs']} | {r['serial']:.3f} s | {r['write']:.3f} s | {r['touch']:.3f} s "
+                f"| ({r['workload']}) | {r['n_jobs']} | {r['serial']:.3f} s | {r['write']:.3f} s "
+                f"| {_fmt(r['touch'], '.3f', ' s')} "
                 f"| {r['limit']:.3f} s | {_fmt(r['memshare'], '.3f', ' s')} | {_fmt(r['memshare_ratio'], '.2f')} "
                 f"| {_fmt(r['joblib_ratio'], '.2f')} |"
             )
@@ -440,17 +459,33 @@ def plot_sweep(report: Report, path: str) -> bool:
     return True
 
 
-def build_parser(prog: str = "benchmarks.run") -> argparse.ArgumentParser:
-    """Command-line options shared by ``python -m benchmarks.run`` and ``python -m memshare bench``."""
+def build_parser(
+    prog: str = "python -m benchmarks.run",
+    default_workloads: str = DEFAULT_WORKLOADS,
+    default_size: Optional[int] = None,
+) -> argparse.ArgumentParser:
+    """Command-line options of ``python -m benchmarks.run`` and ``python -m memshare bench``, with their defaults."""
     parser = argparse.ArgumentParser(prog=prog, description="Benchmark memshare against joblib and others.")
-    parser.add_argument("--size", type=parse_size, default=None, help="array size, e.g. 256M or 1G")
+    size_default = (
+        "default " + (format_size(default_size) if default_size else "min(1 GiB, RAM / 16, free /dev/shm / 4)")
+    ) + f"; {format_size(QUICK_SIZE)} with --quick"
+    left_out = "".join(k for k in DEFAULT_WORKLOADS if k not in default_workloads)
+    every = "all of them" if not left_out else f"all but {left_out}: pass {DEFAULT_WORKLOADS} for all"
+    parser.add_argument("--size", type=parse_size, default=None, help=f"array size, e.g. 256M or 1G ({size_default})")
     parser.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (for tests)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 3, quick 1)")
-    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="workload keys, e.g. abcd (default all)")
+    parser.add_argument(
+        "--workloads",
+        default=default_workloads,
+        help=f"workload keys among {DEFAULT_WORKLOADS}, listed with the results (default {default_workloads}: "
+        f"{every}; g needs scikit-learn)",
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated contenders")
     parser.add_argument("--n-jobs", type=int, default=2, help="workers (default 2)")
     parser.add_argument("--pickle-budget", type=parse_size, default=4 * GiB, help="skip pickling beyond this")
-    parser.add_argument("--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h)")
+    parser.add_argument(
+        "--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h; needs matplotlib)"
+    )
     parser.add_argument("--output", metavar="FILE", help="write the markdown report with a machine header")
     parser.add_argument(
         "--memory-mode",
@@ -462,9 +497,40 @@ def build_parser(prog: str = "benchmarks.run") -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks.run", command: Optional[str] = None) -> int:
+# Optional dependencies (the "bench" extra): module, what needs it, when it is needed.
+_OPTIONAL = (
+    ("matplotlib", "--plot", lambda args: bool(args.plot)),
+    ("sklearn", "workload g (GridSearchCV)", lambda args: "g" in args.workloads),
+)
+
+
+def missing_dependencies(args: argparse.Namespace) -> List[str]:
+    """A message for each optional package the chosen options need and that is not installed."""
+    messages = []
+    for module, what, needed in _OPTIONAL:
+        if needed(args) and importlib.util.find_spec(module) is None:
+            package = {"sklearn": "scikit-learn"}.get(module, module)
+            messages.append(
+                f"{what} needs {package}, which is not installed: pip install 'memshare[bench]' "
+                f"(or pip install {package}), or leave out {what}"
+            )
+    return messages
+
+
+def main(
+    argv: Optional[Sequence[str]] = None,
+    prog: str = "python -m benchmarks.run",
+    command: Optional[str] = None,
+    default_workloads: str = DEFAULT_WORKLOADS,
+    default_size: Optional[int] = None,
+) -> int:
     """Parse options, run, print the table, write the report and plot. Returns the exit code."""
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog, default_workloads, default_size).parse_args(argv)
+    missing = missing_dependencies(args)
+    if missing:
+        for message in missing:
+            print(f"error: {message}", file=sys.stderr)
+        return 2
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     bad = [c for c in contenders if c not in CONTENDERS]
     if bad:
@@ -475,7 +541,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks.run", com
         report = run_benchmark(
             args.workloads,
             contenders,
-            size=args.size,
+            size=args.size or (None if args.quick else default_size),
             repeats=repeats,
             n_jobs=args.n_jobs,
             quick=args.quick,

@@ -1,0 +1,76 @@
+"""The harness's side of a contender's own process (see ``_contender.py`` for the other side)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, Dict, Tuple
+
+from .memory import MemorySampler
+
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_contender.py")
+
+
+class ContenderError(RuntimeError):
+    """The contender's process failed; the message holds its traceback."""
+
+
+class ContenderProcess:
+    """A fresh interpreter running one contender on one workload; ``close()`` ends it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        ours, theirs = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, _SCRIPT, name, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+            )
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def _ask(self, message: tuple, expect: str) -> tuple:
+        if message:
+            self._conn.send(message)
+        try:
+            answer = self._conn.recv()
+        except EOFError:
+            raise ContenderError(f"the {self.name} process exited with status {self._process.wait()}") from None
+        if answer[0] == "error":
+            raise ContenderError(f"the {self.name} process failed:\n{answer[1]}")
+        if answer[0] != expect:
+            raise ContenderError(f"the {self.name} process answered {answer!r}, expected {expect!r}")
+        return answer
+
+    def prepare(self, key: str, size: int, quick: bool) -> int:
+        """Build the workload's data in the process; return what a pickling contender would copy per call."""
+        return self._ask(("prepare", key, size, quick), "prepared")[1]
+
+    def measure(self, n_jobs: int, memory_mode: str) -> Tuple[float, int, bool, Dict[str, Any], bool]:
+        """One timed run: (seconds, peak extra bytes of the process tree, correct, memshare figures,
+        whether the process imported memshare)."""
+        self._ask(("measure", n_jobs), "ready")
+        with MemorySampler(self.pid, mode=memory_mode) as sampler:
+            seconds = self._ask(("go",), "done")[1]
+        _, correct, stats, imported = self._ask(("sampled",), "measured")
+        return seconds, sampler.peak_extra_bytes, correct, stats, imported
+
+    def close(self) -> None:
+        """Ask the process to quit; kill it if it does not within a minute."""
+        try:
+            self._conn.send(("quit",))
+        except OSError:
+            pass  # already gone
+        self._conn.close()
+        try:
+            self._process.wait(60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
