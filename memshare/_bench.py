@@ -13,8 +13,9 @@ import sys
 from typing import Optional, Sequence
 
 _DEFAULT_BYTES = 256 * 1024**2
-# Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop.
-# GridSearchCV (g) and the n_jobs sweep (h) take longer: ask for them with --workloads.
+# Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop. The shared
+# array in a loop (f, which (i) covers), GridSearchCV (g) and the n_jobs sweep (h) take longer: ask for
+# them with --workloads.
 DEFAULT_WORKLOADS = "abcdei"
 
 

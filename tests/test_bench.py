@@ -13,10 +13,9 @@ import uuid
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from memshare._benchmarks.memory import MemorySampler
 
-from benchmarks.memory import MemorySampler  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MiB = 1 << 20
 
@@ -70,7 +69,7 @@ def test_quick_benchmark_runs(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_memshare_bench_entry_point(tmp_path):
-    """``memshare._bench.main`` finds the harness from the clone and runs it."""
+    """``memshare._bench.main`` runs the harness shipped in the package."""
     code = "import sys, memshare._bench as b; sys.exit(b.main(sys.argv[1:]))"
     result = _run_quick([sys.executable, "-c", code], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -79,7 +78,7 @@ def test_memshare_bench_entry_point(tmp_path):
 
 def test_limit_and_loop_rows_arithmetic():
     """limit = serial / workers (capped at the cores) + write + first touch; loop overhead = (time - serial) / 10."""
-    from benchmarks.harness import Measurement, Report, limit_rows, loop_rows
+    from memshare._benchmarks.harness import Measurement, Report, limit_rows, loop_rows
 
     report = Report(size=1000, n_jobs=2, repeats=1)
     parts = [("serial", 1.0), ("shm-write", 0.3), ("first-touch", 0.1), ("memshare", 1.2), ("joblib", 2.0)]
@@ -98,13 +97,70 @@ def test_limit_and_loop_rows_arithmetic():
     assert loops["serial"]["overhead"] is None
 
 
-def test_bench_without_harness_explains(monkeypatch, capsys):
-    """Outside a clone, ``main`` fails with a message saying where the harness is."""
-    import memshare._bench as bench
+def test_results_limit_is_the_workers_making_and_writing_their_share():
+    """For results (c): limit = (serial + one write) / workers, with no first touch; memshare's ratio follows."""
+    from memshare._benchmarks.harness import Measurement, Report, limit_rows
 
-    monkeypatch.setattr(bench, "_load_harness", lambda: None)
-    assert bench.main(["--quick"]) == 2
-    assert "clone" in capsys.readouterr().err
+    report = Report(size=1000, n_jobs=2, repeats=1, limit_formulas={"c": "results"})
+    for name, seconds in [("serial", 0.6), ("shm-write", 0.4), ("memshare", 0.55), ("joblib", 3.0)]:
+        report.measurements.append(Measurement("c", name, 2, seconds, 0, True))
+    (row,) = limit_rows(report)
+    workers = min(2, os.cpu_count() or 1)
+    assert row["formula"] == "results" and row["touch"] is None
+    assert row["limit"] == pytest.approx((0.6 + 0.4) / workers)
+    assert row["memshare_ratio"] == pytest.approx(0.55 / row["limit"])
+
+
+@pytest.mark.parametrize(
+    "options, package",
+    [(["--workloads", "g"], "scikit-learn"), (["--workloads", "a", "--plot", "sweep.png"], "matplotlib")],
+)
+def test_missing_bench_extra_fails_before_running(monkeypatch, capsys, options, package):
+    """Without the bench extra, --plot and workload g stop at once with exit 2, naming the package and the fix."""
+    import importlib.util
+
+    from memshare._benchmarks import harness
+
+    real_find_spec = importlib.util.find_spec
+    absent = ("sklearn", "matplotlib")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real_find_spec(name))
+    monkeypatch.setattr(harness, "run_benchmark", lambda *a, **k: pytest.fail("must not run"))
+    assert harness.main(options + ["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {package}, which is not installed" in err and "pip install 'memshare[bench]'" in err
+
+
+@pytest.mark.timeout(150)
+def test_each_contender_runs_in_a_process_of_its_own():
+    """Every contender gets its own process, not the harness's; joblib's and serial's never import memshare."""
+    from memshare._benchmarks.harness import run_benchmark
+
+    report = run_benchmark("a", ["memshare", "joblib", "serial"], size=8 * MiB, repeats=2, quick=True, progress=False)
+    pids = {m.contender: {m.pid} for m in report.measurements}
+    for m in report.measurements:
+        pids[m.contender].add(m.pid)
+        assert m.correct
+    assert set(pids) >= {"memshare", "joblib", "serial", "shm-write", "first-touch"}
+    assert all(len(p) == 1 for p in pids.values()), pids  # one process per contender for the workload
+    assert len({p for ps in pids.values() for p in ps} | {os.getpid()}) == len(pids) + 1
+    imported = {m.contender: m.imported_memshare for m in report.measurements}
+    assert imported["memshare"] and not imported["joblib"] and not imported["serial"]
+
+
+def test_bench_help_states_the_real_defaults():
+    """``bench --help`` names the workloads and size a plain ``bench`` runs, and names the command as invoked."""
+    from memshare._bench import DEFAULT_WORKLOADS
+    from memshare._benchmarks.harness import default_size, format_size
+
+    result = subprocess.run(
+        [sys.executable, "-m", "memshare", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert result.stdout.startswith("usage: python -m memshare bench")
+    left_out = "".join(k for k in "abcdefghi" if k not in DEFAULT_WORKLOADS)
+    assert f"default {DEFAULT_WORKLOADS}: all but {left_out}: pass abcdefghi for all" in text
+    assert f"default {format_size(min(256 * MiB, default_size()))}" in text
 
 
 def _write_shm(path: str, mib: int) -> None:

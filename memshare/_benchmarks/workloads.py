@@ -116,9 +116,9 @@ class Runner:
     def _parallel(self, **extra):
         import joblib
 
-        import memshare
-
         if self.name in ("memshare", "memshare-plain"):
+            import memshare  # only here: the other contenders' processes never import it
+
             return memshare.Parallel(n_jobs=self.n_jobs, backend="memshare", **extra)
         if self.name == "joblib":
             return joblib.Parallel(n_jobs=self.n_jobs, **extra)
