@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from ._folders import FolderPair
-from ._refs import ArrayRef, data_address, file_identity
+from ._refs import ArrayRef, data_address
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in
 #: Pieces of contiguous data end on addresses aligned to this size, so that memory
@@ -107,11 +107,9 @@ def file_reference(
     path: str, fd: int, kind: str, mode: str, shape: Tuple[int, ...], dtype: np.dtype, order: str
 ) -> ArrayRef:
     """The reference to an array of ``shape`` and ``dtype`` laid out in ``order`` at offset 0 of the file ``fd``."""
-    device, inode = file_identity(os.fstat(fd))
-    return ArrayRef(
-        path=path,
-        device=device,
-        inode=inode,
+    return ArrayRef.in_file(
+        path,
+        os.fstat(fd),
         kind=kind,
         mode=mode,
         offset=0,

@@ -1,4 +1,4 @@
-"""The sharing policy: which arrays travel as file references, both ways.
+"""The pickler of task payloads and results, which carries out each array's route both ways.
 
 This module knows nothing of pools or executors. It turns any picklable
 object into a payload in which every ``np.ndarray`` (nested
@@ -42,7 +42,7 @@ from ._routes import HAND_OVER, REFERENCE, RESULT_FILE, copied_route, result_rou
 from ._shared_store import lookup_shared
 from ._stats import REFERENCED, log_decision
 
-# Reduction used for arrays that travel by value: numpy's own.
+#: A pickle reduction, as ``__reduce__`` returns it: (callable, arguments).
 Reduction = Tuple[Callable[..., Any], tuple]
 
 

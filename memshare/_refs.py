@@ -14,7 +14,7 @@ import mmap
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -51,6 +51,12 @@ class ArrayRef:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @classmethod
+    def in_file(cls, path: str, info: os.stat_result, **geometry: Any) -> ArrayRef:
+        """A reference into the file at ``path`` whose stat result is ``info``; ``geometry`` gives the other fields."""
+        device, inode = file_identity(info)
+        return cls(path=path, device=device, inode=inode, **geometry)
 
     def is_file(self, info: os.stat_result) -> bool:
         """True when ``info`` (a stat result) is this reference's file, not another one now at its path."""
@@ -133,14 +139,13 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
     if not array.flags.writeable:
         mode = "r"
     try:
-        device, inode = file_identity(os.stat(path))
+        info = os.stat(path)
     except OSError:
         return None
     offset = root_offset + data_address(array) - data_address(root)
-    return ArrayRef(
-        path=path,
-        device=device,
-        inode=inode,
+    return ArrayRef.in_file(
+        path,
+        info,
         kind=kind_of_path(path),
         mode=mode,
         offset=offset,
