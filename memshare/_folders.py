@@ -102,12 +102,22 @@ def ensure_private_dir(path: str) -> None:
     never followed.
     """
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        _make_dir(path)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        return ensure_private_dir(path)
+        # The base folder does not exist yet: create it, then try once more.
+        # Where it exists and mkdir still says ENOENT (/proc, say), retrying
+        # would only recurse, so the second failure is reported.
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise _unusable_base(exc, parent) from None
+        try:
+            _make_dir(path)
+        except OSError as exc:
+            raise _unusable_base(exc, parent) from None
+    except OSError as exc:
+        raise _unusable_base(exc, os.path.dirname(path)) from None
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise PermissionError(
@@ -119,6 +129,25 @@ def ensure_private_dir(path: str) -> None:
         # mkdir applies the umask, which can only remove bits; chmod makes the
         # mode exact. Never loosen a folder that someone else prepared.
         os.chmod(path, 0o700)
+
+
+def _make_dir(path: str) -> None:
+    """``mkdir`` with mode 0700; a directory already there is fine (checked by the caller)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
+def _unusable_base(exc: OSError, base: str) -> OSError:
+    """``exc`` (same type and errno) with a message naming the folder and the fix."""
+    reason = exc.strerror or str(exc)
+    return type(exc)(
+        exc.errno,
+        f"memshare cannot create its folder in {base!r}: {reason}. Pass temp_folder= (or set "
+        f"{ENV_TEMP_FOLDER}) to a writable directory on a real file system, such as /dev/shm or /tmp",
+        exc.filename,
+    )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import joblib
@@ -170,7 +171,17 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
     def submit(self, func, callback=None):
         session = self._session
         dumped_before = session.stats.bytes_dumped  # joblib dispatches one batch at a time, under its lock
-        task = session.pack_task(func)
+        try:
+            task = session.pack_task(func)
+        except Exception as exc:
+            # joblib dispatches later batches from a callback thread, where a
+            # raised error is only logged and the call then waits forever for
+            # this batch: fail the batch instead, as a failed task would.
+            failed: Future = Future()
+            failed.set_exception(exc)
+            if callback is not None:
+                failed.add_done_callback(callback)
+            return failed
         self._note_dumped(session.stats.bytes_dumped - dumped_before, func)
         future = self._executor.submit(run_task, task)
         future.memshare_session = session

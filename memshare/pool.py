@@ -1,10 +1,12 @@
 """``MemmappingPool``: a ``multiprocessing.Pool`` that shares large arrays.
 
-Each task is packed in the calling thread (or, for lazy iterables, in the
-pool's task-feeding thread) by the pool's :class:`Session`: large arrays are
-dumped once and travel as file references. Workers run ``run_task`` and send
-back an ``Outcome``, which the pool turns back into the value, or the
-exception, on the result thread before the standard machinery sees it.
+Each task is packed by the pool's :class:`Session`: large arrays are dumped
+once and travel as file references. ``apply`` packs in the calling thread;
+``map`` and ``imap`` pack lazily, in the pool's task-feeding thread, through
+a :class:`TaskFeed` that turns a task that cannot be packed into the
+failure of its call (see ``_feed``). Workers run ``run_task`` and send back
+an ``Outcome``, which the pool turns back into the value, or the exception,
+on the result thread before the standard machinery sees it.
 
 Two gaps of the standard pool are closed: a worker that dies abruptly (killed,
 segfault, out of memory) fails the pending results promptly and marks the
@@ -17,16 +19,15 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Sized
 from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
+from ._feed import TaskFeed, run_or_return
 from ._owners import owner_identity
-from ._protocol import Outcome
 from ._session import Session
-from ._worker import run_task, watch_parent
+from ._worker import watch_parent
 
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
 
@@ -35,21 +36,6 @@ def _worker_init(owner: tuple, initializer: Optional[Callable], initargs: tuple)
     watch_parent(*owner)
     if initializer is not None:
         initializer(*initargs)
-
-
-class _PackedTasks(Sized):
-    """The tasks of a map call, packed lazily as the pool consumes them."""
-
-    def __init__(self, session: Session, func: Callable, items: list, star: bool) -> None:
-        self._session, self._func, self._items, self._star = session, func, items, star
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator:
-        for item in self._items:
-            args = tuple(item) if self._star else (item,)
-            yield self._session.pack_task(self._func, args)
 
 
 class MemmappingPool(Pool):
@@ -89,7 +75,8 @@ class MemmappingPool(Pool):
                 f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs"
             )
         settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
-        self._session = Session(settings)  # before Pool.__init__: _setup_queues uses it
+        self._session = Session(settings)
+        self._feed = TaskFeed(self._session)  # before Pool.__init__: _setup_queues uses it
         self._stopping = False
         self._broken: Optional[BaseException] = None
         # Every worker ever started, recorded by Process() below. The pool's own
@@ -130,7 +117,7 @@ class MemmappingPool(Pool):
         self._check_usable()
         self._session.new_generation()
         task = self._session.pack_task(func, tuple(args), dict(kwds))
-        return super().apply_async(run_task, (task,), {}, callback, error_callback)
+        return super().apply_async(run_or_return, (task,), {}, callback, error_callback)
 
     def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
         return self._map(func, iterable, chunksize, callback, error_callback, star=False)
@@ -154,14 +141,14 @@ class MemmappingPool(Pool):
         """``Pool.imap``; with ``progress=True`` the result is a generator that drives a tqdm bar."""
         self._check_usable()
         self._session.new_generation()
-        results = super().imap(run_task, self._lazy(func, iterable), chunksize)
+        results = super().imap(run_or_return, self._feed.lazy(func, iterable, star=False), chunksize)
         return _progress(results, _length(iterable)) if progress else results
 
     def imap_unordered(self, func, iterable, chunksize=1, progress=False):
         """``Pool.imap_unordered``; ``progress=True`` as for :meth:`imap`."""
         self._check_usable()
         self._session.new_generation()
-        results = super().imap_unordered(run_task, self._lazy(func, iterable), chunksize)
+        results = super().imap_unordered(run_or_return, self._feed.lazy(func, iterable, star=False), chunksize)
         return _progress(results, _length(iterable)) if progress else results
 
     def _with_progress(self, func, iterable, chunksize, star):
@@ -169,31 +156,27 @@ class MemmappingPool(Pool):
         # ordering of map are kept.
         self._check_usable()
         self._session.new_generation()
-        tasks = _PackedTasks(self._session, func, list(iterable), star)
+        items = list(iterable)
         if chunksize is None:
-            chunksize = max(1, len(tasks) // (4 * self._processes) + bool(len(tasks) % (4 * self._processes)))
-        return list(_progress(super().imap(run_task, tasks, chunksize), len(tasks)))
+            chunksize = max(1, len(items) // (4 * self._processes) + bool(len(items) % (4 * self._processes)))
+        tasks = self._feed.lazy(func, items, star)
+        return list(_progress(super().imap(run_or_return, tasks, chunksize), len(items)))
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
         self._check_usable()
         self._session.new_generation()
-        items = list(iterable)
-        tasks = _PackedTasks(self._session, func, items, star)
-        return super().map_async(run_task, tasks, chunksize, callback, error_callback)
-
-    def _lazy(self, func, iterable):
-        for item in iterable:
-            yield self._session.pack_task(func, (item,))
+        tasks = self._feed.fill(func, list(iterable), star)
+        return super().map_async(run_or_return, tasks, chunksize, callback, error_callback)
 
     # -- results -----------------------------------------------------------------
 
     def _setup_queues(self) -> None:
         super()._setup_queues()
         receive = self._quick_get  # read by Pool.__init__ right after this call
-        session = self._session
+        restore = self._feed.restore
 
         def receive_and_restore():
-            return _restore_message(session, receive())
+            return restore(receive())
 
         self._quick_get = receive_and_restore
 
@@ -285,34 +268,6 @@ def _progress(results: Iterable, total: Optional[int]) -> Iterator:
         for result in results:
             bar.update(1)
             yield result
-
-
-def _restore_message(session: Session, message: Any) -> Any:
-    """Turn a worker's message back into what the standard pool expects.
-
-    Runs on the pool's result thread, so it must never raise: any failure
-    becomes the failure of the task it belongs to.
-    """
-    if message is None:
-        return message
-    try:
-        job, index, (success, value) = message
-    except (TypeError, ValueError):
-        return message
-    if not success:
-        return message
-    try:
-        if isinstance(value, Outcome):
-            return job, index, session.finish(value)
-        if isinstance(value, list) and all(isinstance(item, Outcome) for item in value):
-            restored = [session.finish(item) for item in value]
-            failure = next((item for ok, item in restored if not ok), None)
-            if failure is not None:
-                return job, index, (False, failure)
-            return job, index, (True, [item for _, item in restored])
-    except BaseException as exc:
-        return job, index, (False, exc)
-    return message
 
 
 MemmapingPool = MemmappingPool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -69,10 +70,13 @@ def run_script(code: str, timeout: float = 120, env=None, check=True) -> subproc
     return result
 
 
-def _mount_tmpfs(path, size: str) -> int:
-    """Mount a tmpfs of ``size`` at ``path``; return 0 or the errno."""
+MS_RDONLY = 1  # mount(2) flag
+
+
+def _mount_tmpfs(path, size: str, flags: int = 0) -> int:
+    """Mount a tmpfs of ``size`` at ``path`` with mount(2) ``flags``; return 0 or the errno."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
+    if libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", flags, f"size={size}".encode()) != 0:
         return ctypes.get_errno()
     return 0
 
@@ -110,3 +114,28 @@ def _remove_planted_folders(request):
             path.unlink(missing_ok=True)
         elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory this user cannot create anything in, with the error type and errno that creating something raises.
+
+    A 0500 directory for a regular user; root ignores modes, so for root a
+    read-only tmpfs (EROFS).
+    """
+    path = tmp_path / "unwritable"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        try:
+            yield path, PermissionError, errno.EACCES
+        finally:
+            path.chmod(0o700)
+        return
+    error = _mount_tmpfs(path, "1m", MS_RDONLY)
+    if error:
+        pytest.skip(f"root ignores folder modes, and mounting a read-only tmpfs failed (errno {error})")
+    try:
+        yield path, OSError, errno.EROFS
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -1,0 +1,151 @@
+"""Feeding a pool's tasks lazily, so that a task that cannot be sent fails its call instead of hanging it.
+
+``MemmappingPool`` packs the tasks of ``map`` and ``imap`` calls lazily, in
+the standard pool's task-feeding thread, so that dumping later arrays
+overlaps with running earlier tasks and a call over many distinct arrays
+holds only what is in flight. An error raised there never reaches the
+caller: the standard pool turns it into one failed chunk, and a ``map``
+then waits forever for the chunks that were never sent.
+
+So packing errors (an unpicklable argument, no room for a dump, an unusable
+temp folder, the user's iterable raising) are caught here and the task
+travels as an :class:`Unsent` placeholder, which the worker returns at once
+and the result thread turns back into the original exception object (it
+never crosses a process boundary, so it need not be picklable). After a
+failure, a ``map`` call sends a placeholder for each remaining item, because
+its result waits for every chunk; an ``imap`` call stops there, as the
+standard pool does when the iterable raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sized
+
+from ._protocol import Outcome, Task
+from ._session import Session
+from ._worker import run_task
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Stands for a task that could not be packed; the worker sends it straight back."""
+
+    key: int  # identifies the failure in the parent's TaskFeed
+
+
+def run_or_return(task: Any) -> Any:
+    """The function pool workers run: a task, or a placeholder returned as it is."""
+    if isinstance(task, Unsent):
+        return task
+    return run_task(task)
+
+
+class _FillingTasks(Sized):
+    """The packed tasks of a ``map`` call: one per item, placeholders after a failure."""
+
+    def __init__(self, feed: TaskFeed, func: Callable, items: List, star: bool) -> None:
+        self._feed, self._func, self._items, self._star = feed, func, items, star
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator:
+        for index, item in enumerate(self._items):
+            try:
+                task = self._feed.pack(self._func, item, self._star)
+            except BaseException as exc:  # this thread has nobody to raise to
+                placeholder = self._feed.failed(exc, count=len(self._items) - index)
+                for _ in range(index, len(self._items)):
+                    yield placeholder
+                return
+            yield task
+
+
+class TaskFeed:
+    """Packs a pool's tasks and restores their outcomes, failing calls cleanly."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        # key -> [exception, placeholders not back yet]
+        self._failures: Dict[int, list] = {}
+
+    def pack(self, func: Callable, item: Any, star: bool) -> Task:
+        args = tuple(item) if star else (item,)
+        return self.session.pack_task(func, args)
+
+    def failed(self, exc: BaseException, count: int) -> Unsent:
+        """Record ``exc`` for ``count`` placeholders about to be sent; return the placeholder."""
+        with self._lock:
+            key = next(self._keys)
+            self._failures[key] = [exc, count]
+        return Unsent(key)
+
+    def fill(self, func: Callable, items: List, star: bool) -> Sized:
+        """The tasks of a ``map`` over ``items``: exactly one per item, whatever fails."""
+        return _FillingTasks(self, func, items, star)
+
+    def lazy(self, func: Callable, iterable: Iterable, star: bool) -> Iterator:
+        """The tasks of an ``imap``: packed as consumed, ending with a placeholder at the first failure."""
+        iterator = iter(iterable)
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except BaseException as exc:  # the user's iterable raised: fail at this position
+                yield self.failed(exc, count=1)
+                return
+            try:
+                task = self.pack(func, item, star)
+            except BaseException as exc:
+                yield self.failed(exc, count=1)
+                return
+            yield task
+
+    # -- on the pool's result thread ---------------------------------------------
+
+    def restore(self, message: Any) -> Any:
+        """Turn a worker's message back into what the standard pool expects.
+
+        Runs on the pool's result thread, so it must never raise: any failure
+        becomes the failure of the task it belongs to.
+        """
+        if message is None:
+            return message
+        try:
+            job, index, (success, value) = message
+        except (TypeError, ValueError):
+            return message
+        if not success:
+            return message
+        try:
+            if isinstance(value, (Outcome, Unsent)):
+                return (job, index, self._restore_one(value))
+            if isinstance(value, list) and all(isinstance(item, (Outcome, Unsent)) for item in value):
+                # Every outcome is finished, failed or not: that releases its files.
+                restored = [self._restore_one(item) for item in value]
+                failure = next((item for ok, item in restored if not ok), None)
+                if failure is not None:
+                    return job, index, (False, failure)
+                return job, index, (True, [item for _, item in restored])
+        except BaseException as exc:
+            return job, index, (False, exc)
+        return message
+
+    def _restore_one(self, value: Any) -> tuple:
+        if isinstance(value, Unsent):
+            return False, self._take_failure(value.key)
+        return self.session.finish(value)
+
+    def _take_failure(self, key: int) -> BaseException:
+        with self._lock:
+            record = self._failures[key]
+            record[1] -= 1
+            if record[1] <= 0:
+                del self._failures[key]
+        return record[0]
