@@ -28,7 +28,7 @@ import dataclasses
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -46,10 +46,20 @@ from ._stats import REFERENCED, log_decision
 Reduction = Tuple[Callable[..., Any], tuple]
 
 
+#: Extra reducers a user gives: exact type -> function returning ``(constructor, args)``, as ``copyreg`` takes.
+Reducers = Mapping[type, Callable[[Any], Any]]
+
+
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file: io.BytesIO, reduce_array: Callable[[np.ndarray], Optional[Reduction]]) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        reduce_array: Callable[[np.ndarray], Optional[Reduction]],
+        reducers: Optional[Reducers] = None,
+    ) -> None:
         super().__init__(file, protocol=5)
         self._reduce_array = reduce_array
+        self._reducers = reducers or {}
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
@@ -63,6 +73,9 @@ class _Pickler(cloudpickle.Pickler):
                 # a memmap without a file on the other side.
                 return _plain_reduction(obj)
             return NotImplemented
+        custom = self._reducers.get(type(obj))
+        if custom is not None:
+            return custom(obj)
         return super().reducer_override(obj)
 
 
@@ -84,8 +97,9 @@ class _SlotPickler(_Pickler):
         file: io.BytesIO,
         reduce_array: Callable[[np.ndarray], Optional[Reduction]],
         slot_of: Callable[[np.ndarray], Optional[int]],
+        reducers: Optional[Reducers] = None,
     ) -> None:
-        super().__init__(file, reduce_array)
+        super().__init__(file, reduce_array, reducers)
         self._slot_of = slot_of
 
     def persistent_id(self, obj: Any) -> Optional[int]:
@@ -98,10 +112,18 @@ def pack(
     obj: Any,
     reduce_array: Callable[[np.ndarray], Optional[Reduction]],
     slot_of: Optional[Callable[[np.ndarray], Optional[int]]] = None,
+    reducers: Optional[Reducers] = None,
 ) -> bytes:
-    """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead."""
+    """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead.
+
+    Each object whose exact type is in ``reducers`` goes to its reducer; arrays
+    are memshare's business: a reducer given for ``np.ndarray`` is not used.
+    """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, reduce_array) if slot_of is None else _SlotPickler(buffer, reduce_array, slot_of)
+    if slot_of is None:
+        pickler = _Pickler(buffer, reduce_array, reducers)
+    else:
+        pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers)
     pickler.dump(obj)
     return buffer.getvalue()
 
@@ -299,12 +321,13 @@ def by_value(array: np.ndarray) -> None:
     return None
 
 
-def pack_result(value: Any, policy: ResultPolicy) -> bytes:
+def pack_result(value: Any, policy: ResultPolicy, reducers: Optional[Reducers] = None) -> bytes:
     """Pickle a task's return value (or failure) with its large arrays in ``policy``'s slots."""
-    return pack(value, by_value, policy.slot_of)
+    return pack(value, by_value, policy.slot_of, reducers)
 
 
 __all__ = [
+    "Reducers",
     "input_reduction",
     "ResultPolicy",
     "ResultSpec",

@@ -53,7 +53,7 @@ from ._folders import TempFolder, unlink_quietly, warn_fallback, warn_result_pic
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._protocol import Outcome, Task, restore
-from ._reducers import Reduction, ResultSpec, input_reduction, pack
+from ._reducers import Reducers, Reduction, ResultSpec, input_reduction, pack
 from ._refs import DUMP, SHARED, ArrayRef
 from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, input_route, view_in_dump
 from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
@@ -91,8 +91,10 @@ class _TaskRecord:
 class Session:
     """Dumps, references and results of one pool or call. Thread-safe."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, reducers: Optional[Reducers] = None) -> None:
+        """``reducers`` (type -> reducer) are used when pickling task arguments."""
         self.settings = settings
+        self._reducers = dict(reducers) if reducers else None
         self.folder = TempFolder(settings.temp_folder)
         self.stats = CallStats()
         # Re-entrant because a dumped array may be garbage-collected while
@@ -136,7 +138,7 @@ class Session:
             self._check_open()
             token = next(self._tokens)
             try:
-                stream = pack((func, args, kwargs or {}), reduce_array)
+                stream = pack((func, args, kwargs or {}), reduce_array, reducers=self._reducers)
             except Exception as exc:
                 self._release(record.files)
                 if exc is record.error:

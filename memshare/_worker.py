@@ -18,7 +18,17 @@ from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
-from ._reducers import ResultPolicy, by_value, pack, pack_result, unpack
+from ._reducers import Reducers, ResultPolicy, by_value, pack, pack_result, unpack
+
+# Reducers for return values set up by the pool that started this worker
+# (its ``backward_reducers``); one pool per worker process, so process-wide.
+_result_reducers: Optional[Reducers] = None
+
+
+def set_result_reducers(reducers: Optional[Reducers]) -> None:
+    """Use ``reducers`` (type -> reducer) when pickling the return values of this process's tasks."""
+    global _result_reducers
+    _result_reducers = dict(reducers) if reducers else None
 
 
 def run_task(task: Task) -> Outcome:
@@ -33,7 +43,7 @@ def run_task(task: Task) -> Outcome:
     del task  # drop the input mappings before packing the result
     what = type(value if ok else value.exception).__name__
     try:
-        stream = pack_result(value, policy)
+        stream = pack_result(value, policy, _result_reducers)
         # The pickled value only holds slot numbers now. With the value
         # dropped, memshare's pending list is often the only owner of each
         # large array, which lets write_pending free them as they are written.

@@ -16,24 +16,44 @@ the parent dies.
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
 from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import cloudpickle
+
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
 from ._owners import owner_identity
+from ._pool_args import (
+    check_context_id,
+    check_max_nbytes,
+    check_prewarm,
+    check_processes,
+    check_reducers,
+    check_temp_folder,
+    check_verbose,
+    resolve_context,
+)
+from ._reducers import Reducers
 from ._session import Session
-from ._worker import watch_parent
+from ._stats import enable_logging
+from ._worker import set_result_reducers, watch_parent
 
 _MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
 
 
-def _worker_init(owner: tuple, initializer: Optional[Callable], initargs: tuple) -> None:
+def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
     watch_parent(*owner)
+    # The initializer and the result reducers travel cloudpickled, so that
+    # functions of __main__ and lambdas work under every start method; initargs
+    # do not, so that multiprocessing locks and queues can still be inherited.
+    initializer, backward_reducers = pickle.loads(setup)
+    set_result_reducers(backward_reducers)
     if initializer is not None:
         initializer(*initargs)
 
@@ -41,19 +61,42 @@ def _worker_init(owner: tuple, initializer: Optional[Callable], initargs: tuple)
 class MemmappingPool(Pool):
     """A process pool whose workers receive large NumPy arrays as shared memory.
 
-    Arguments are those of :class:`multiprocessing.pool.Pool`, plus:
+    The arguments are those of joblib's ``MemmappingPool``, in its order, and
+    :class:`multiprocessing.pool.Pool`'s ``initializer``, ``initargs``,
+    ``maxtasksperchild`` and ``context`` as keywords:
 
-    max_nbytes
-        Arrays larger than this (int bytes, or a string such as ``"1M"``) are
-        written once to a file in shared memory and mapped by the workers;
-        None disables dumping. Arrays already backed by a file (``np.memmap``,
-        memshare shared arrays, and their views) always go by reference.
-    mmap_mode
-        How workers map dumped arrays: ``'r'`` read-only, ``'c'``
-        copy-on-write, ``'r+'``/``'w+'`` writable and shared among workers.
+    processes
+        Number of worker processes; None for all CPUs.
     temp_folder
         Where the pool's private folder goes; by default ``$MEMSHARE_TEMP_FOLDER``,
         ``$JOBLIB_TEMP_FOLDER``, ``/dev/shm``, then the system temp dir.
+    max_nbytes
+        Arrays larger than this (bytes, or a string such as ``"1M"``) are
+        written once to a file in shared memory and mapped by the workers;
+        None disables dumping. Arrays already backed by a file (``np.memmap``,
+        memshare shared arrays, and their views) always go by reference.
+        Large results come back the same way.
+    mmap_mode
+        How workers map dumped arrays: ``'r'`` read-only, ``'c'``
+        copy-on-write, ``'r+'``/``'w+'`` writable and shared among workers.
+    forward_reducers, backward_reducers
+        Dicts mapping a type to a reducer function (returning
+        ``(constructor, args)``, as ``copyreg`` takes), used when pickling
+        task arguments and return values respectively. NumPy arrays are
+        always memshare's.
+    verbose
+        Non-zero logs each sharing decision on the ``memshare`` logger.
+    context_id
+        Accepted for compatibility and ignored (joblib deprecated it).
+    prewarm
+        Accepted for compatibility (``True``, ``False`` or ``"auto"``); it has
+        nothing to do. joblib reads each array back after dumping it, so that
+        it is in the page cache before the workers map it; memshare's dumps
+        are written with ``write()`` through the page cache (on ``/dev/shm``
+        they are the memory itself), so they are there already.
+    context
+        A multiprocessing context or start method name; by default
+        ``forkserver`` where it exists (see ``_pool_args.default_context``).
 
     The pool's folder is deleted by ``terminate()``, by ``close()`` then
     ``join()``, on leaving a ``with`` block, and at interpreter exit.
@@ -62,20 +105,31 @@ class MemmappingPool(Pool):
     def __init__(
         self,
         processes: Optional[int] = None,
+        temp_folder: Optional[str] = None,
+        max_nbytes: Any = "1M",
+        mmap_mode: str = "r",
+        forward_reducers: Optional[Reducers] = None,
+        backward_reducers: Optional[Reducers] = None,
+        verbose: int = 0,
+        context_id: Any = None,
+        prewarm: Any = False,
+        *,
         initializer: Optional[Callable] = None,
         initargs: Iterable = (),
         maxtasksperchild: Optional[int] = None,
         context: Any = None,
-        max_nbytes: Any = "1M",
-        mmap_mode: str = "r",
-        temp_folder: Optional[str] = None,
     ) -> None:
-        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
-            raise ValueError(
-                f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs"
-            )
-        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
-        self._session = Session(settings)
+        processes = check_processes(processes)
+        settings = Settings.from_user(check_max_nbytes(max_nbytes), mmap_mode, check_temp_folder(temp_folder))
+        forward_reducers = check_reducers("forward_reducers", forward_reducers)
+        backward_reducers = check_reducers("backward_reducers", backward_reducers)
+        if check_verbose(verbose):
+            enable_logging()
+        check_prewarm(prewarm)
+        check_context_id(context_id)
+        context = resolve_context(context)
+        setup = cloudpickle.dumps((initializer, backward_reducers))
+        self._session = Session(settings, forward_reducers)
         self._feed = TaskFeed(self._session)  # before Pool.__init__: _setup_queues uses it
         self._stopping = False
         self._broken: Optional[BaseException] = None
@@ -87,7 +141,7 @@ class MemmappingPool(Pool):
         self._started_lock = threading.Lock()
         try:
             super().__init__(
-                processes, _worker_init, (owner_identity(), initializer, tuple(initargs)), maxtasksperchild, context
+                processes, _worker_init, (owner_identity(), setup, tuple(initargs)), maxtasksperchild, context
             )
         except BaseException:
             self._session.close()
@@ -232,9 +286,16 @@ class MemmappingPool(Pool):
                 # there, it takes the lock with it and no other worker can ever
                 # receive a task. So the pool is broken, as concurrent.futures
                 # says of its own: fail everything now rather than hang.
+                hint = ""
+                if code == 1 and self._ctx.get_start_method() != "fork":
+                    hint = (
+                        f" If it failed as it started (its error is above), note that under the "
+                        f"{self._ctx.get_start_method()} start method a script must create the pool under "
+                        "`if __name__ == '__main__':`, or pass context='fork'."
+                    )
                 self._broken = WorkerDiedError(
                     f"memshare: worker process {process.pid} {describe_exit(code)}. Its pool cannot run "
-                    "tasks any more: terminate it and create a new one."
+                    f"tasks any more: terminate it and create a new one.{hint}"
                 )
                 self._fail_pending(self._broken)
 

@@ -27,6 +27,7 @@ from memshare._session import Session
         ("12", 12),
         (np.int64(5), 5),
         (1.5, 1),  # a float threshold, as joblib takes one: sizes are whole bytes, so > 1.5 is > 1
+        (1e6, 1_000_000),  # joblib's MemmappingPool default is this float
     ],
 )
 def test_max_nbytes_accepts_sizes(value, expected):
