@@ -37,8 +37,7 @@ class ContenderProcess:
         return self._process.pid
 
     def _ask(self, message: tuple, expect: str) -> tuple:
-        if message:
-            self._conn.send(message)
+        self._conn.send(message)
         try:
             answer = self._conn.recv()
         except EOFError:
