@@ -240,3 +240,15 @@ def test_sampler_leaves_no_process():
         pass
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
+
+
+def test_a_failing_contender_process_reports_its_traceback():
+    """An error in a contender's process reaches the harness as ContenderError with the process's traceback."""
+    from memshare._benchmarks.processes import ContenderError, ContenderProcess
+
+    process = ContenderProcess("joblib")
+    try:
+        with pytest.raises(ContenderError, match="KeyError: 'no-such-workload'"):
+            process.prepare("no-such-workload", MiB, True)
+    finally:
+        process.close()
