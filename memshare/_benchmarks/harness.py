@@ -66,8 +66,8 @@ def default_size() -> int:
 def machine_description(argv: Sequence[str]) -> List[str]:
     """Lines describing the machine, versions, date and command line, for the report header."""
     import joblib
-    import loky
     import numpy
+    from joblib.externals import loky
 
     import memshare
 
@@ -86,7 +86,7 @@ def machine_description(argv: Sequence[str]) -> List[str]:
         f"- CPU: {cpu}, {os.cpu_count()} cores",
         f"- RAM: {format_size(_meminfo('MemTotal'))}, /dev/shm: {format_size(shm)}",
         f"- Python {platform.python_version()}, numpy {numpy.__version__}, joblib {joblib.__version__}, "
-        f"loky {loky.__version__}, memshare {memshare.__version__}",
+        f"loky {loky.__version__} (bundled), memshare {memshare.__version__}",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         f"- Command: `{command}`",
     ]
