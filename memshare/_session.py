@@ -199,6 +199,7 @@ class Session:
             raise
 
     def _carry_out(self, route: Route, array: np.ndarray, record: _TaskRecord) -> Optional[Reduction]:
+        """Do what ``route`` says for ``array``, noting in ``record`` what the task holds; None: pickle it."""
         if route.kind == PICKLE:
             if self._first_sight(array):
                 self.stats.add(arrays_pickled=1)
