@@ -90,6 +90,24 @@ def test_managed_context_stays_usable_after_an_error(exc):
         assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
 
 
+def fail_after_the_first(i):
+    if i >= 1:
+        raise CustomError(f"task {i}")
+    return i
+
+
+def test_a_managed_call_never_runs_tasks_left_over_by_a_failed_call():
+    """joblib splits tasks into batches ahead of dispatch; a failed call leaves the rest queued on the Parallel.
+
+    With one task dispatched ahead and batches of one, the first task's success makes joblib queue tasks 1
+    and 2 and dispatch 1; task 1 fails, so task 2 stays queued, deterministically.
+    """
+    with Parallel(n_jobs=2, pre_dispatch=1, batch_size=1) as parallel:
+        with pytest.raises(CustomError, match="task 1"):
+            parallel(delayed(fail_after_the_first)(i) for i in range(3))
+        assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
+
+
 def test_timeout_and_generators():
     with pytest.raises((TimeoutError, multiprocessing.TimeoutError)):  # joblib raises the latter
         Parallel(n_jobs=2, timeout=0.5)(delayed(slow)(i, 5) for i in range(2))
