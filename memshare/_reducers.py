@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import marshal
 import pickle
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -73,10 +75,27 @@ class _Pickler(cloudpickle.Pickler):
                 # a memmap without a file on the other side.
                 return _plain_reduction(obj)
             return NotImplemented
+        if type(obj) is types.CodeType:
+            return _code_reduction(obj)
         custom = self._reducers.get(type(obj))
         if custom is not None:
             return custom(obj)
         return super().reducer_override(obj)
+
+
+def _code_reduction(code: types.CodeType) -> Any:
+    """The code of a function sent by value (one of ``__main__``, a lambda), with its file name kept.
+
+    cloudpickle rebuilds such code with the file name ``<dynamic-code>``, so
+    a worker's traceback would show neither the file nor the source line.
+    ``marshal`` keeps every field of the code object (file name and line
+    table included); it is specific to the Python version, and workers run
+    the parent's interpreter.
+    """
+    try:
+        return marshal.loads, (marshal.dumps(code),)
+    except ValueError:  # a constant marshal cannot write: let cloudpickle do it
+        return NotImplemented
 
 
 def _plain_reduction(array: np.ndarray) -> Reduction:
