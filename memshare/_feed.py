@@ -20,10 +20,10 @@ standard pool does when the iterable raises.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sized
 
+from . import _forksafe
 from ._protocol import Outcome, Task
 from ._session import Session
 from ._worker import run_task
@@ -69,7 +69,7 @@ class TaskFeed:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self._lock = threading.Lock()
+        self._lock = _forksafe.lock()
         self._keys = itertools.count(1)
         # key -> [exception, placeholders not back yet]
         self._failures: Dict[int, list] = {}

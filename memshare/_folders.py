@@ -27,12 +27,12 @@ import secrets
 import shutil
 import stat
 import tempfile
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from . import _forksafe
 from ._config import ENV_TEMP_FOLDER, folder_from_environment, format_bytes, resolve_folder
 from ._errors import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
@@ -241,7 +241,7 @@ def reserve(fd: int, offset: int, nbytes: int) -> None:
 # (folder, what) pairs already warned about, so that a call warns once and not
 # once per array. Process-wide because workers receive a new FolderPair per task.
 _warned: set = set()
-_warned_lock = threading.Lock()
+_warned_lock = _forksafe.lock()
 
 
 def _first_warning(primary: str, what: str) -> bool:
@@ -289,14 +289,14 @@ class _ProcessState:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = _forksafe.lock()
         self.watchdog = WatchdogClient()
         self.live_paths: set = set()
         self.swept = False
 
     def after_fork_in_child(self) -> None:
         self.watchdog.forget_after_fork()
-        self.lock = threading.Lock()
+        self.lock = _forksafe.lock()
         self.live_paths = set()
 
 

@@ -22,6 +22,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
+from . import _forksafe
 from ._refs import USER, ArrayRef, file_identity, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
@@ -77,7 +78,7 @@ class MappingCache:
     """Mappings of shared files kept open in this process, thread-safe."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = _forksafe.lock()
         self._bases: Dict[_Key, np.memmap] = {}
         self._pruner_started = False
         self._not_empty = threading.Event()

@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import _forksafe
 from ._config import Settings
 from ._dumping import dump_array, row_slabs
 from ._errors import UnpicklableArgumentError
@@ -100,7 +100,7 @@ class Session:
         # Re-entrant because a dumped array may be garbage-collected while
         # this thread packs a task, and its weak reference callback (_forget)
         # then takes the lock in the same thread.
-        self._lock = threading.RLock()
+        self._lock = _forksafe.rlock()
         self._by_array: IdentityTable[_Dump] = IdentityTable()
         self._by_path: Dict[str, _Dump] = {}  # the dump table: current files only
         self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks

@@ -14,12 +14,12 @@ folders at exit or, after a crash, by the watchdog.
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from . import _forksafe
 from ._dumping import contiguous_strides, dump_array, file_reference
 from ._folders import TempFolder, default_base, unlink_quietly
 from ._mapping import map_file
@@ -30,7 +30,7 @@ class _SharedStore:
     """The process's folders for shared arrays, and the live mappings in them."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = _forksafe.lock()
         # One folder per location, so that a changed MEMSHARE_TEMP_FOLDER
         # takes effect for arrays made afterwards.
         self.folders: Dict[str, TempFolder] = {}

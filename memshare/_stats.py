@@ -17,6 +17,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from . import _forksafe
+
 logger = logging.getLogger("memshare")
 
 DUMPED = "dumped"
@@ -44,7 +46,7 @@ class CallStats:
     tasks: int = 0
     fallback_files: int = 0  # arrays and results written to the disk fallback
     results_pickled_no_room: int = 0  # results sent by value because no file had room
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=_forksafe.lock, repr=False, compare=False)
 
     def as_dict(self) -> Dict[str, float]:
         with self._lock:
@@ -103,7 +105,7 @@ if os.environ.get("MEMSHARE_DEBUG", "").strip() not in ("", "0"):
 # The figures of the last finished call in this process, for last_call_stats().
 # Module-level because "the last call" is a per-process notion.
 _last: Optional[CallStats] = None
-_last_lock = threading.Lock()
+_last_lock = _forksafe.lock()
 
 
 def record_finished(stats: CallStats) -> None:

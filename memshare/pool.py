@@ -16,15 +16,18 @@ the parent dies.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
 import time
+from multiprocessing.connection import wait
 from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import cloudpickle
 
+from . import _forksafe
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
@@ -44,7 +47,7 @@ from ._session import Session
 from ._stats import enable_logging
 from ._worker import set_result_reducers, watch_parent
 
-_MONITOR_INTERVAL = 0.1  # seconds between checks for dead workers
+_LOOK_AGAIN = 0.05  # seconds: wait for a recorded worker to start, or an ended one to be reaped
 
 
 def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
@@ -138,13 +141,18 @@ class MemmappingPool(Pool):
         # replacements), so a worker that starts and dies between two looks at
         # that list would go unnoticed and its task would hang forever.
         self._started: list = []
-        self._started_lock = threading.Lock()
+        self._started_lock = _forksafe.lock()
+        # Written to wake the monitor when a worker is added or the pool stops;
+        # closed by the monitor as it ends, under _started_lock.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         try:
             super().__init__(
                 processes, _worker_init, (owner_identity(), setup, tuple(initargs)), maxtasksperchild, context
             )
         except BaseException:
             self._session.close()
+            self._close_wake_pipe()
             raise
         self._monitor = threading.Thread(target=self._watch_workers, name="memshare-pool-monitor", daemon=True)
         self._monitor.start()
@@ -153,6 +161,7 @@ class MemmappingPool(Pool):
         process = super().Process(ctx, *args, **kwds)
         with self._started_lock:
             self._started.append(process)
+        self._wake()
         return process
 
     def __del__(self) -> None:
@@ -237,19 +246,32 @@ class MemmappingPool(Pool):
     # -- lifetime ----------------------------------------------------------------
 
     def close(self) -> None:
-        self._stopping = True
+        self._stop_monitor()
         super().close()
 
     def terminate(self) -> None:
-        self._stopping = True
+        self._stop_monitor()
         try:
             super().terminate()
         finally:
             self._session.close()
+            self._join_monitor()
 
     def join(self) -> None:
         super().join()
         self._session.close()
+        self._join_monitor()
+
+    def _stop_monitor(self) -> None:
+        self._stopping = True
+        self._wake()
+
+    def _join_monitor(self) -> None:
+        # No memshare thread outlives the pool: a later fork (another pool
+        # with the fork context) then copies no lock a thread of ours holds.
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout=5)
 
     @staticmethod
     def _help_stuff_finish(inqueue, task_handler, size):
@@ -269,35 +291,96 @@ class MemmappingPool(Pool):
         return self._session.folder.pair.primary
 
     def _watch_workers(self) -> None:
-        """Fail pending results promptly when a worker dies abruptly."""
-        while not self._stopping:
-            time.sleep(_MONITOR_INTERVAL)
+        """Fail pending results promptly when a worker dies abruptly.
+
+        Sleeps in ``multiprocessing.connection.wait`` on the workers' sentinels
+        (ready when a process ends) and on a pipe written when a worker is
+        added or the pool stops, as loky's executor does.
+        """
+        ended: set = set()
+        try:
+            while not self._stopping:
+                ended |= self._wait_for_a_change(ended)
+                if self._stopping:
+                    break
+                ended = self._check_exits(ended)
+        finally:
+            self._close_wake_pipe()
+
+    def _wait_for_a_change(self, ended: set) -> set:
+        """Wait until a worker ends, is added, or the pool stops; return the workers seen ending."""
+        with self._started_lock:
+            started = list(self._started)
+        waitables, look_again_soon = {self._wake_r: None}, False
+        for process in started:
+            if process in ended:
+                look_again_soon = True  # its sentinel stays ready: do not spin on it
+                continue
+            try:
+                waitables[process.sentinel] = process
+            except ValueError:  # recorded by Process() but not started yet
+                look_again_soon = True
+        ready = wait(list(waitables), timeout=_LOOK_AGAIN if look_again_soon else None)
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except OSError:
+                pass
+        return {waitables[key] for key in ready if waitables[key] is not None}
+
+    def _check_exits(self, ended: set) -> set:
+        """Handle the exit of each ended worker; return those whose exit code cannot be read yet."""
+        waiting = set()
+        for process in ended:
+            if process in self._pool:
+                # The pool's own thread reaps its workers, and reading the exit
+                # status at the same time could lose it (under forkserver it is
+                # read once from the sentinel): wait until it has. It then
+                # starts a replacement, whose Process() call wakes us.
+                waiting.add(process)
+                continue
+            code = process.exitcode
+            if code is None:  # ended between start() and joining the pool's list
+                waiting.add(process)
+                continue
             with self._started_lock:
-                started = list(self._started)
-            for process in started:
-                code = process.exitcode
-                if code is None:
-                    continue
-                with self._started_lock:
+                if process in self._started:
                     self._started.remove(process)
-                if code == 0 or self._stopping:
-                    continue  # a normal exit (maxtasksperchild, shutdown)
-                # An idle worker blocks in the task queue's read lock; killed
-                # there, it takes the lock with it and no other worker can ever
-                # receive a task. So the pool is broken, as concurrent.futures
-                # says of its own: fail everything now rather than hang.
-                hint = ""
-                if code == 1 and self._ctx.get_start_method() != "fork":
-                    hint = (
-                        f" If it failed as it started (its error is above), note that under the "
-                        f"{self._ctx.get_start_method()} start method a script must create the pool under "
-                        "`if __name__ == '__main__':`, or pass context='fork'."
-                    )
-                self._broken = WorkerDiedError(
-                    f"memshare: worker process {process.pid} {describe_exit(code)}. Its pool cannot run "
-                    f"tasks any more: terminate it and create a new one.{hint}"
+            if code == 0 or self._stopping:
+                continue  # a normal exit (maxtasksperchild, shutdown)
+            # An idle worker blocks in the task queue's read lock; killed
+            # there, it takes the lock with it and no other worker can ever
+            # receive a task. So the pool is broken, as concurrent.futures
+            # says of its own: fail everything now rather than hang.
+            hint = ""
+            if code == 1 and self._ctx.get_start_method() != "fork":
+                hint = (
+                    f" If it failed as it started (its error is above), note that under the "
+                    f"{self._ctx.get_start_method()} start method a script must create the pool under "
+                    "`if __name__ == '__main__':`, or pass context='fork'."
                 )
-                self._fail_pending(self._broken)
+            self._broken = WorkerDiedError(
+                f"memshare: worker process {process.pid} {describe_exit(code)}. Its pool cannot run "
+                f"tasks any more: terminate it and create a new one.{hint}"
+            )
+            self._fail_pending(self._broken)
+        return waiting
+
+    def _wake(self) -> None:
+        with self._started_lock:
+            if self._wake_w is None:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # full: the monitor has wake-ups pending anyway
+
+    def _close_wake_pipe(self) -> None:
+        with self._started_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), None, None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def _fail_pending(self, error: BaseException) -> None:
         # The standard result objects have no public way to fail them; _set is
