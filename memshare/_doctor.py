@@ -204,8 +204,10 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
 
     say("Versions")
     say(f"  python {platform.python_version()} ({platform.python_implementation()}), {platform.platform()}")
-    for name in ("numpy", "joblib", "loky", "memshare"):
+    for name in ("numpy", "joblib"):
         say(f"  {name} {_version(name)}")
+    say(f"  loky {_version('joblib.externals.loky')} (bundled with joblib; memshare's workers run on it)")
+    say(f"  memshare {_version('memshare')}")
     say(f"  multiprocessing default start method: {multiprocessing.get_start_method()}")
 
     say("Verdict")

@@ -6,14 +6,15 @@ import pickle
 import signal
 from typing import Optional
 
-from loky.process_executor import TerminatedWorkerError
+from joblib.externals.loky.process_executor import TerminatedWorkerError
 
 
 class WorkerDiedError(TerminatedWorkerError):
     """A worker process ended abruptly (killed, crashed) while tasks were pending.
 
-    A subclass of loky's ``TerminatedWorkerError`` (hence of ``RuntimeError``),
-    so code written for joblib's loky backend catches it too.
+    A subclass of ``joblib.externals.loky.process_executor.TerminatedWorkerError``
+    (hence of ``RuntimeError``), so code written for joblib's loky backend
+    catches it too.
     """
 
 

@@ -1,6 +1,8 @@
-"""The ``"memshare"`` joblib backend, on loky's reusable executor.
+"""The ``"memshare"`` joblib backend, on a loky executor of its own.
 
-Workers are loky's reusable processes; memshare only changes what travels.
+Workers are long-lived loky processes (see ``_executor``: joblib's bundled
+loky, an executor apart from joblib's ``"loky"`` backend); memshare only
+changes what travels.
 Each batch joblib submits is packed by the call's :class:`Session` in the
 dispatching thread, so large arrays are dumped once per call (or once per
 ``with Parallel() as p:`` context) and sent as references; results come back
@@ -13,7 +15,6 @@ never restarts the workers.
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import threading
@@ -21,7 +22,11 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 import joblib
-import loky
+from joblib.externals.loky.process_executor import (
+    BrokenProcessPool,
+    ShutdownExecutorError,
+    TerminatedWorkerError,
+)
 from joblib.parallel import (
     AutoBatchingMixin,
     FallbackToBackend,
@@ -29,23 +34,15 @@ from joblib.parallel import (
     ParallelBackendBase,
     SequentialBackend,
 )
-from loky.process_executor import ShutdownExecutorError, TerminatedWorkerError
 
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
-from ._owners import owner_identity
+from ._executor import discard_executor, get_executor
 from ._session import Session
 from ._stats import CallStats, enable_logging, record_finished
-from ._worker import run_task, watch_parent
+from ._worker import run_task
 
 BACKEND_NAME = "memshare"
-
-# loky recycles a worker whose RSS grew by more than 300 MB, taking it for a
-# leak. RSS counts the shared pages a worker maps, and memshare keeps those
-# mappings open across tasks on purpose, so that check would restart workers
-# over and over. It stays under the user's control through the variable.
-_LEAK_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
-_NO_LEAK_LIMIT = str(2**62)
 
 # Under batch_size="auto" joblib groups fast tasks into batches of up to
 # hundreds, and the files a batch dumps stay until the whole batch is done, so
@@ -137,13 +134,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         return n_jobs
 
     def _get_executor(self):
-        env = self._prepare_worker_env(n_jobs=self._n_jobs)
-        env.setdefault(_LEAK_VARIABLE, os.environ.get(_LEAK_VARIABLE, _NO_LEAK_LIMIT))
-        # watch_parent: a worker busy in a long task would otherwise outlive a
-        # parent that was killed, holding its mappings until the task ends.
-        return loky.get_reusable_executor(
-            self._n_jobs, timeout=self._timeout, env=env, initializer=watch_parent, initargs=owner_identity()
-        )
+        return get_executor(self._n_jobs, self._timeout, self._prepare_worker_env(n_jobs=self._n_jobs))
 
     def compute_batch_size(self) -> int:
         """joblib's automatic batch size, capped so that a batch dumps about ``_BATCH_DUMP_BUDGET`` at most."""
@@ -185,7 +176,15 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
                 failed.add_done_callback(callback)
             return failed
         self._note_dumped(session.stats.bytes_dumped - dumped_before, func)
-        future = self._executor.submit(run_task, task)
+        try:
+            future = self._executor.submit(run_task, task)
+        except (BrokenProcessPool, ShutdownExecutorError):
+            # The executor broke since the last call (a worker killed while
+            # idle): this call starts on a new one. A break during this call
+            # still fails the call, through its earlier futures.
+            discard_executor(self._executor)
+            self._executor = self._get_executor()
+            future = self._executor.submit(run_task, task)
         future.memshare_session = session
         token, epoch = task.token, self._epoch
 
@@ -203,6 +202,10 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
 
         future.add_done_callback(release_then_report)
         return future
+
+    # joblib 1.3 and 1.4 call apply_async; joblib 1.5 renamed it submit, with
+    # the same arguments, the same returned future and the same callback.
+    apply_async = submit
 
     def retrieve_result_callback(self, future):
         try:
@@ -230,7 +233,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         """Stop the call's remaining tasks by killing the workers, as joblib's loky backend does."""
         self._epoch += 1
         if self._executor is not None:
-            self._executor.shutdown(wait=True, kill_workers=True)
+            discard_executor(self._executor)
         self._executor = None
         if ensure_ready:
             self._executor = self._get_executor()

@@ -1,0 +1,98 @@
+"""memshare's own long-lived loky executor, kept apart from joblib's.
+
+joblib's ``"loky"`` backend runs on loky's process-wide reusable executor,
+and that singleton is recreated whenever it is asked for with other
+arguments. memshare's workers need another initializer (they watch their
+owner and lift loky's memory-leak limit), so sharing the singleton would make
+every switch between a memshare call and a plain joblib call wait for one set
+of workers to stop and spawn the other. memshare therefore owns one
+``ProcessPoolExecutor`` of joblib's bundled loky (the same loky, hence the
+same resource tracker and multiprocessing context, as joblib): it is reused
+from call to call, its idle workers exit after the call's
+``idle_worker_timeout``, and it is replaced when it broke, was shut down, or
+is asked for with another worker count, environment or timeout. An
+executor found broken when a call submits to it (a worker died while idle)
+is discarded by the backend, which then asks for a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, Optional, Tuple
+
+from joblib.externals.loky import ProcessPoolExecutor
+from joblib.externals.loky import process_executor as _loky_process_executor
+
+from ._owners import owner_identity
+from ._worker import watch_parent
+
+#: The variable newer loky releases read for their leak limit; memshare
+#: honours it in its workers, with no limit by default.
+LEAK_LIMIT_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
+
+_lock = threading.Lock()
+_executor: Optional[ProcessPoolExecutor] = None
+_executor_key: Optional[Tuple] = None
+
+
+def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoolExecutor:
+    """The executor for a call with ``n_jobs`` workers, reused when nothing changed."""
+    global _executor, _executor_key
+    # owner_identity: a fork of this process must not reuse (or wait on) its
+    # parent's executor, whose workers watch the parent.
+    key = (n_jobs, timeout, tuple(sorted(env.items())), owner_identity())
+    with _lock:
+        if _executor is not None and _executor_key == key:
+            return _executor
+        old, _executor, _executor_key = _executor, None, None
+        if old is not None:
+            # Tasks still running on the old executor (another thread's call)
+            # finish first, as when loky replaces its own singleton.
+            old.shutdown(wait=True)
+        _executor = ProcessPoolExecutor(
+            max_workers=n_jobs,
+            timeout=timeout,
+            env=env,
+            initializer=start_worker,
+            initargs=owner_identity(),
+        )
+        _executor_key = key
+        return _executor
+
+
+def discard_executor(executor: ProcessPoolExecutor) -> None:
+    """Kill ``executor``'s workers (aborting its tasks); the next call gets a new executor."""
+    global _executor, _executor_key
+    with _lock:
+        if _executor is executor:
+            _executor, _executor_key = None, None
+    executor.shutdown(wait=True, kill_workers=True)
+
+
+def start_worker(parent: int, parent_start: Optional[int]) -> None:
+    """Initializer of memshare's loky workers."""
+    lift_leak_limit()
+    watch_parent(parent, parent_start)
+
+
+def lift_leak_limit() -> None:
+    """Keep loky from recycling this worker for the shared pages it maps.
+
+    After each task a loky worker compares its RSS with the RSS after its
+    first task and exits when it grew by more than ``_MAX_MEMORY_LEAK_SIZE``
+    (300 MB), taking that for a leak. RSS counts the shared-memory pages the
+    worker maps, and memshare keeps those mappings open across tasks on
+    purpose, so the check would restart workers over and over, with a warning
+    each time. The loky releases joblib 1.3 to 1.6 bundle (3.4.0 to 3.6.0)
+    hard-code the limit in that module global and read it at each check, so
+    setting it here, in the worker, before its first task, is enough.
+    ``LOKY_MAX_MEMORY_LEAK_SIZE`` (bytes) still sets a limit if the user wants one.
+    """
+    limit = os.environ.get(LEAK_LIMIT_VARIABLE)
+    try:
+        value = int(float(limit)) if limit else 2**62
+    except ValueError:
+        value = 2**62
+    if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
+        _loky_process_executor._MAX_MEMORY_LEAK_SIZE = value
