@@ -14,7 +14,6 @@ setup(
     install_requires=[
         "numpy>=1.21",
         "joblib>=1.3",
-        "loky>=3.4",
         "cloudpickle>=2.0",
         "psutil>=5.8",
         "tqdm>=4.60",

@@ -10,7 +10,9 @@ import memshare  # registers the "memshare" joblib backend
 
 def main(n_samples: int = 20_000, n_features: int = 50) -> None:
     X, y = make_classification(n_samples=n_samples, n_features=n_features, random_state=0)  # 8 MB > max_nbytes
-    search = GridSearchCV(LogisticRegression(max_iter=300), {"C": [0.01, 0.1, 1.0]}, cv=3, n_jobs=-1)
+    # refit=False: in older scikit-learn (1.2) the refit makes a joblib call of its own, sequential, and
+    # last_call_stats() would then describe that call instead of the search's parallel fits.
+    search = GridSearchCV(LogisticRegression(max_iter=300), {"C": [0.01, 0.1, 1.0]}, cv=3, n_jobs=-1, refit=False)
     with joblib.parallel_config(backend="memshare"):
         search.fit(X, y)
     stats = memshare.last_call_stats()

@@ -61,6 +61,12 @@ def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoo
         return _executor
 
 
+def current_executor() -> Optional[ProcessPoolExecutor]:
+    """The executor the next call with unchanged settings would get, if any."""
+    with _lock:
+        return _executor
+
+
 def discard_executor(executor: ProcessPoolExecutor) -> None:
     """Kill ``executor``'s workers (aborting its tasks); the next call gets a new executor."""
     global _executor, _executor_key

@@ -11,7 +11,12 @@ import sys
 import textwrap
 import time
 
+import joblib
 import pytest
+
+#: The ``return_as`` values of the installed joblib ("generator_unordered" appeared in joblib 1.4).
+JOBLIB_VERSION = tuple(int(part) for part in joblib.__version__.split(".")[:2])
+RETURN_AS = ("list", "generator") + (("generator_unordered",) if JOBLIB_VERSION >= (1, 4) else ())
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import joblib
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries, run_script
+from conftest import RETURN_AS, files_under, memshare_entries, run_script
 
 import memshare
 from memshare import Parallel, delayed
@@ -113,6 +113,10 @@ def test_timeout_and_generators():
         Parallel(n_jobs=2, timeout=0.5)(delayed(slow)(i, 5) for i in range(2))
     gen = Parallel(n_jobs=2, return_as="generator")(delayed(square)(i) for i in range(10))
     assert list(gen) == [i * i for i in range(10)]
+
+
+@pytest.mark.skipif("generator_unordered" not in RETURN_AS, reason="return_as='generator_unordered' needs joblib>=1.4")
+def test_generator_unordered_yields_the_first_result_done():
     unordered = Parallel(n_jobs=2, return_as="generator_unordered")(
         delayed(slow)(i, s) for i, s in [(0, 1.5), (1, 0.0)]
     )

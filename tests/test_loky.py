@@ -7,9 +7,10 @@ import signal
 
 import pytest
 from conftest import run_script, wait_until
-from joblib.externals.loky.process_executor import TerminatedWorkerError
+from joblib.externals.loky.process_executor import BrokenProcessPool, TerminatedWorkerError
 
 import memshare
+from memshare._executor import current_executor
 
 # Plain joblib loky calls over a 2 MB array (memmapped by joblib), then nested
 # loky calls inside loky workers. It prints the pids of every process involved,
@@ -31,7 +32,8 @@ def outer(X, i):
 
 pids = {{os.getpid()}}
 for _ in range(3):
-    pids.update(pid for pid, _ in joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(inner)(X, i) for i in range(4)))
+    calls = joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(inner)(X, i) for i in range(4))
+    pids.update(pid for pid, _ in calls)
 for nested in joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(outer)(X, i) for i in range(2)):
     pids.update(nested)
 print(json.dumps(sorted(pids)))
@@ -115,13 +117,23 @@ def test_memshare_and_plain_joblib_calls_keep_their_own_workers(tmp_path):
 
 def test_worker_killed_while_idle_does_not_fail_the_next_call():
     pids = set(memshare.Parallel(n_jobs=2)(memshare.delayed(worker_pid)(i) for i in range(8)))
+    executor = current_executor()
     victim = min(pids)
     os.kill(victim, signal.SIGKILL)
-    assert wait_until(lambda: not _alive(victim), timeout=10)
-    # The executor may notice the death before or during the next call's
-    # submission; either way the call runs on fresh workers.
+    # Once loky has noticed the death, the executor refuses work; a call
+    # starting before that would share the fate of any task sent to a dying
+    # worker, as with joblib's own loky backend.
+    assert wait_until(lambda: _refuses_work(executor), timeout=30)
     results = memshare.Parallel(n_jobs=2)(memshare.delayed(worker_pid)(i) for i in range(8))
-    assert victim not in results
+    assert victim not in results and current_executor() is not executor
+
+
+def _refuses_work(executor) -> bool:
+    try:
+        executor.submit(int)
+    except BrokenProcessPool:
+        return True
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -138,7 +150,7 @@ def _alive(pid: int) -> bool:
 # with the array's pages counted in its RSS.
 LEAK_CHECK = """
 import json, os, sys, time, warnings
-warnings.simplefilter("always")
+warnings.simplefilter("always", UserWarning)  # loky warns when it replaces a worker
 sys.path.insert(0, {tests!r})
 import memshare
 from joblib.externals.loky import process_executor

@@ -4,7 +4,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import run_script
+from conftest import RETURN_AS, run_script
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -14,7 +14,7 @@ def total(*arrays):
     return sum(float(np.asarray(a).sum()) for a in arrays)
 
 
-@pytest.mark.parametrize("return_as", ["list", "generator", "generator_unordered"])
+@pytest.mark.parametrize("return_as", RETURN_AS)
 def test_parallel_progress_bar_on_stderr_only_when_asked(return_as):
     script = f"""
         from memshare import Parallel, delayed
