@@ -34,15 +34,19 @@ LEAK_LIMIT_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
 _lock = threading.Lock()
 _executor: Optional[ProcessPoolExecutor] = None
 _executor_key: Optional[Tuple] = None
+_executor_owner: Optional[int] = None  # the pid that created _executor
 
 
 def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoolExecutor:
     """The executor for a call with ``n_jobs`` workers, reused when nothing changed."""
-    global _executor, _executor_key
-    # owner_identity: a fork of this process must not reuse (or wait on) its
-    # parent's executor, whose workers watch the parent.
-    key = (n_jobs, timeout, tuple(sorted(env.items())), owner_identity())
+    global _executor, _executor_key, _executor_owner
+    key = (n_jobs, timeout, tuple(sorted(env.items())))
     with _lock:
+        if _executor_owner != os.getpid():
+            # A fork of the process that made the executor: the executor and
+            # its workers belong to the parent, and its threads did not
+            # survive the fork. Leave it alone and start one of our own.
+            _executor, _executor_key = None, None
         if _executor is not None and _executor_key == key:
             return _executor
         old, _executor, _executor_key = _executor, None, None
@@ -57,14 +61,14 @@ def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoo
             initializer=start_worker,
             initargs=owner_identity(),
         )
-        _executor_key = key
+        _executor_key, _executor_owner = key, os.getpid()
         return _executor
 
 
 def current_executor() -> Optional[ProcessPoolExecutor]:
     """The executor the next call with unchanged settings would get, if any."""
     with _lock:
-        return _executor
+        return _executor if _executor_owner == os.getpid() else None
 
 
 def discard_executor(executor: ProcessPoolExecutor) -> None:

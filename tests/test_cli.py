@@ -67,6 +67,23 @@ def test_doctor_ok_on_healthy_machine(base):
         assert name in result.stdout
 
 
+def test_doctor_reports_the_versions_in_use(base):
+    import platform
+
+    import joblib
+    import numpy
+    from joblib.externals import loky
+
+    result = run_cli("doctor", base=base)
+    for line in (
+        f"python {platform.python_version()}",
+        f"numpy {numpy.__version__}",
+        f"joblib {joblib.__version__}",
+        f"loky {loky.__version__} (bundled with joblib",
+    ):
+        assert line in result.stdout, result.stdout
+
+
 def test_doctor_flags_dead_owner_leftovers(base):
     path = make_folder(base, dead_owner())
     result = run_cli("doctor", base=base)

@@ -186,3 +186,34 @@ def test_workers_mapping_more_than_loky_leak_limit_are_not_recycled(tmp_path):
     assert result.stderr == "", result.stderr
     assert len(pids["warm"]) == 2, pids
     assert pids["big"] == pids["warm"] == pids["after"], pids
+
+
+FORKED_CHILD = """
+import json, os
+import memshare
+
+def pid(_):
+    return os.getpid()
+
+def workers():
+    return sorted(set(memshare.Parallel(n_jobs=2)(memshare.delayed(pid)(i) for i in range(8))))
+
+before = workers()
+read_end, write_end = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(read_end)
+    os.write(write_end, json.dumps(workers()).encode())
+    os._exit(0)
+os.close(write_end)
+with os.fdopen(read_end) as pipe:
+    in_child = json.loads(pipe.read())
+os.waitpid(child, 0)
+print(json.dumps({"before": before, "child": in_child, "after": workers()}))
+"""
+
+
+def test_forked_child_runs_calls_on_workers_of_its_own():
+    pids = json.loads(run_script(FORKED_CHILD, timeout=120).stdout)
+    assert pids["child"] and not set(pids["child"]) & set(pids["before"]), pids
+    assert set(pids["after"]) <= set(pids["before"]), pids
