@@ -8,7 +8,7 @@ import time
 import joblib
 import numpy as np
 import pytest
-from conftest import RETURN_AS, files_under, memshare_entries, run_script
+from conftest import RETURN_AS, files_under, memshare_entries, run_script, wait_until
 
 import memshare
 from memshare import Parallel, delayed
@@ -106,6 +106,41 @@ def test_a_managed_call_never_runs_tasks_left_over_by_a_failed_call():
         with pytest.raises(CustomError, match="task 1"):
             parallel(delayed(fail_after_the_first)(i) for i in range(3))
         assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
+
+
+def wait_for(flag: str) -> None:
+    if not wait_until(lambda: os.path.exists(flag), timeout=60):
+        raise TimeoutError(flag)
+
+
+def wait_then_return(flag: str) -> int:
+    wait_for(flag)
+    return 1
+
+
+def flag_wait_then_fail(own_flag: str, flag: str):
+    open(own_flag, "w").close()
+    wait_for(flag)
+    raise CustomError("the failure")
+
+
+def flag_then_block(flag: str):
+    open(flag, "w").close()
+    time.sleep(60)  # killed by the abort
+
+
+def test_a_reused_parallel_never_runs_tasks_left_over_by_a_failed_call(tmp_path):
+    """As in a managed context, for a Parallel instance called again outside one."""
+    failer, blocker = str(tmp_path / "failer-started"), str(tmp_path / "blocker-started")
+    # pre_dispatch=2 sends the first two tasks. The first completes once the
+    # second runs; joblib then prepares the next two batches and sends the
+    # third, which lets the second fail while the fourth is still prepared.
+    tasks = [delayed(wait_then_return)(failer), delayed(flag_wait_then_fail)(failer, blocker)]
+    tasks += [delayed(flag_then_block)(blocker), delayed(fail)(CustomError("stale batch of the failed call"))]
+    parallel = Parallel(n_jobs=2, batch_size=1, pre_dispatch="2")
+    with pytest.raises(CustomError, match="the failure"):
+        parallel(iter(tasks))
+    assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
 
 
 def test_timeout_and_generators():

@@ -237,11 +237,19 @@ def mapped_memshare_files(_=None):
         return sorted({line.split(None, 5)[5].strip() for line in maps if "/memshare-" in line})
 
 
+def _command_line(process) -> str:
+    """The process's command line; empty for one that exited (or is a zombie, as killed workers of earlier tests)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_idle_workers_let_go_of_deleted_dumps_promptly(shm_dir):
     data = np.ones(300_000)
     first = Parallel(n_jobs=2)(delayed(mapped_memshare_files)(data) for _ in range(4))
     assert any(first), "workers should have mapped the dump during the call"
-    workers = {p.pid for p in psutil.Process().children(recursive=True) if "loky" in " ".join(p.cmdline())}
+    workers = {p.pid for p in psutil.Process().children(recursive=True) if "loky" in _command_line(p)}
     time.sleep(0.2)  # the pruner checks every 50 ms while it holds mappings
     leftovers = []
     for pid in workers:

@@ -189,31 +189,34 @@ def test_workers_mapping_more_than_loky_leak_limit_are_not_recycled(tmp_path):
 
 
 FORKED_CHILD = """
-import json, os
+import json, os, sys
+sys.path.insert(0, {tests!r})
 import memshare
+from test_loky import rendezvous
 
-def pid(_):
-    return os.getpid()
+def workers(name):
+    folder = os.path.join({folder!r}, name)
+    os.mkdir(folder)
+    calls = memshare.Parallel(n_jobs=2, batch_size=1)(memshare.delayed(rendezvous)(folder) for _ in range(2))
+    return sorted(calls)
 
-def workers():
-    return sorted(set(memshare.Parallel(n_jobs=2)(memshare.delayed(pid)(i) for i in range(8))))
-
-before = workers()
+before = workers("before")
 read_end, write_end = os.pipe()
 child = os.fork()
 if child == 0:
     os.close(read_end)
-    os.write(write_end, json.dumps(workers()).encode())
+    os.write(write_end, json.dumps(workers("child")).encode())
     os._exit(0)
 os.close(write_end)
 with os.fdopen(read_end) as pipe:
     in_child = json.loads(pipe.read())
 os.waitpid(child, 0)
-print(json.dumps({"before": before, "child": in_child, "after": workers()}))
+print(json.dumps({{"before": before, "child": in_child, "after": workers("after")}}))
 """
 
 
-def test_forked_child_runs_calls_on_workers_of_its_own():
-    pids = json.loads(run_script(FORKED_CHILD, timeout=120).stdout)
-    assert pids["child"] and not set(pids["child"]) & set(pids["before"]), pids
-    assert set(pids["after"]) <= set(pids["before"]), pids
+def test_forked_child_runs_calls_on_workers_of_its_own(tmp_path):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    pids = json.loads(run_script(FORKED_CHILD.format(tests=tests, folder=str(tmp_path)), timeout=120).stdout)
+    assert len(pids["child"]) == 2 and not set(pids["child"]) & set(pids["before"]), pids
+    assert pids["after"] == pids["before"], pids
