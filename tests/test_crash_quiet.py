@@ -239,10 +239,15 @@ if __name__ == "__main__":
 """
 
 
+# A suite started in the background by a non-interactive shell (as CI may be)
+# inherits SIGINT ignored, and so would the script: give it Python's handler.
+_RESTORE_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 @pytest.mark.parametrize("code", [INTERRUPTED_PARALLEL, INTERRUPTED_POOL], ids=["Parallel", "MemmappingPool"])
 def test_keyboard_interrupt_mid_call(tmp_path, code):
     base = tmp_path / "interrupted"
-    child = _start(code, {"MEMSHARE_TEMP_FOLDER": str(base)})
+    child = _start(_RESTORE_SIGINT + code, {"MEMSHARE_TEMP_FOLDER": str(base)})
     try:
         assert wait_until(lambda: _files_in(base), 60), "the call never dumped its array"
         time.sleep(0.3)  # let the workers start on their tasks
