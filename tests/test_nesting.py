@@ -56,9 +56,14 @@ def test_in_a_daemonic_process_falls_back_with_lokys_warning():
     assert mine == [expected, expected]
 
 
-@pytest.mark.parametrize("backend", ["memshare.Parallel", "loky"])
+@pytest.mark.parametrize("backend", ["multiprocessing", "memshare.Parallel", "loky"])
 def test_inside_a_memshare_worker_as_inside_a_loky_worker(backend):
-    """In a memshare worker as in a loky worker: a default nested call uses threads, an explicit one warns nothing."""
+    """A memshare worker counts as a loky worker (it runs joblib's bundled loky): joblib's multiprocessing
+    backend sees it is nested (and falls back with its warning), a default nested call uses threads, an explicit
+    one warns nothing."""
     loky = joblib.Parallel(n_jobs=2, backend="loky")(delayed(nested_call)(backend) for _ in range(1))
     mine = joblib.Parallel(n_jobs=2, backend="memshare")(delayed(nested_call)(backend) for _ in range(1))
+    if backend == "multiprocessing":
+        warning = "Multiprocessing-backed parallel loops cannot be nested, below loky, setting n_jobs=1"
+        assert loky == [([warning], True)]
     assert mine == loky
