@@ -5,15 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 
-import joblib
 import pytest
 import tqdm.auto
+from conftest import RETURN_AS
 
 from memshare import Parallel, delayed
-
-# "generator_unordered" appeared in joblib 1.4.
-_JOBLIB = tuple(int(part) for part in joblib.__version__.split(".")[:2])
-RETURN_AS = ["list", "generator"] + (["generator_unordered"] if _JOBLIB >= (1, 4) else [])
 
 
 def double(x):

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import memshare_entries
+from conftest import RETURN_AS, memshare_entries
 
 import memshare
 import memshare._folders
@@ -71,7 +71,7 @@ POOL_ENTRIES = [
     "imap_unordered",
     "map_progress",
 ]
-PARALLEL_ENTRIES = ["list", "generator", "generator_unordered"]
+PARALLEL_ENTRIES = RETURN_AS
 FAILURES = ["unpicklable", "regular_file", "proc", "sys_kernel", "unwritable", "no_room"]
 
 
