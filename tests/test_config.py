@@ -95,7 +95,10 @@ def test_every_size_joblib_reads_is_read_the_same(value):
 def test_parallel_takes_the_sizes_the_pool_takes(value, expected):
     assert parse_max_nbytes(value) == expected
     # memshare.Parallel parses before joblib, whose own parser would reject most of these.
-    assert memshare.Parallel(n_jobs=2, max_nbytes=value)._backend_kwargs["max_nbytes"] == expected
+    parallel = memshare.Parallel(n_jobs=2, max_nbytes=value)
+    # What joblib passes on to the backend (joblib 1.3 and 1.4 name it _backend_args).
+    passed_on = getattr(parallel, "_backend_kwargs", None) or parallel._backend_args
+    assert passed_on["max_nbytes"] == expected
 
 
 @pytest.mark.parametrize("value", ["-1K", "1X", "nanK", "infK", "ten", "", "K", -1, float("nan")])
