@@ -71,13 +71,18 @@ def current_executor() -> Optional[ProcessPoolExecutor]:
         return _executor if _executor_owner == os.getpid() else None
 
 
-def discard_executor(executor: ProcessPoolExecutor) -> None:
-    """Kill ``executor``'s workers (aborting its tasks); the next call gets a new executor."""
+def discard_executor(executor: ProcessPoolExecutor, wait: bool = True) -> None:
+    """Kill ``executor``'s workers (aborting its tasks); the next call gets a new executor.
+
+    ``wait=False`` when the caller may hold joblib's lock: loky's manager
+    thread, failing the pending futures, runs joblib's callbacks, which take
+    that lock, so waiting for the thread there would deadlock.
+    """
     global _executor, _executor_key
     with _lock:
         if _executor is executor:
             _executor, _executor_key = None, None
-    executor.shutdown(wait=True, kill_workers=True)
+    executor.shutdown(wait=wait, kill_workers=True)
 
 
 def start_worker(parent: int, parent_start: Optional[int]) -> None:

@@ -181,8 +181,9 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         except (BrokenProcessPool, ShutdownExecutorError):
             # The executor broke since the last call (a worker killed while
             # idle): this call starts on a new one. A break during this call
-            # still fails the call, through its earlier futures.
-            discard_executor(self._executor)
+            # still fails the call, through its earlier futures. joblib
+            # dispatches under its lock: no waiting for the old executor.
+            discard_executor(self._executor, wait=False)
             self._executor = self._get_executor()
             future = self._executor.submit(run_task, task)
         future.memshare_session = session
