@@ -20,6 +20,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from . import _compat
 from ._config import format_bytes
 from ._folders import SHM_ROOT, candidate_bases, default_base, fallback_base, folder_size, free_bytes, list_folders
 from ._owners import pid_namespace
@@ -178,6 +179,20 @@ def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> No
         )
 
 
+def _check_internals(say: Callable[[str], None], verdict: Verdict) -> None:
+    """Report the private names of other libraries memshare relies on (see ``_compat``)."""
+    missing = _compat.failed_checks()
+    say(
+        f"  internals of joblib, loky and the standard library: {len(_compat.CHECKS) - len(missing)} of "
+        f"{len(_compat.CHECKS)} found"
+    )
+    for check in missing:
+        verdict.problems.append(
+            f"{check.name} is missing in the installed versions, so {check.why} no longer holds. Install the "
+            "joblib and Python versions README lists as tested, or a memshare release that supports yours."
+        )
+
+
 def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = print) -> int:
     """Print the report and verdict through ``say``; return 0 when healthy, 1 otherwise."""
     verdict = Verdict()
@@ -209,6 +224,7 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     say(f"  loky {_version('joblib.externals.loky')} (bundled with joblib; memshare's workers run on it)")
     say(f"  memshare {_version('memshare')}")
     say(f"  multiprocessing default start method: {multiprocessing.get_start_method()}")
+    _check_internals(say, verdict)
 
     say("Verdict")
     for note in verdict.notes:

@@ -22,8 +22,8 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from joblib.externals.loky import ProcessPoolExecutor
-from joblib.externals.loky import process_executor as _loky_process_executor
 
+from ._compat import set_loky_leak_limit
 from ._owners import owner_identity
 from ._worker import watch_parent
 
@@ -109,5 +109,4 @@ def lift_leak_limit() -> None:
         value = int(float(limit)) if limit else 2**62
     except ValueError:
         value = 2**62
-    if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
-        _loky_process_executor._MAX_MEMORY_LEAK_SIZE = value
+    set_loky_leak_limit(value)

@@ -19,6 +19,8 @@ import os
 import threading
 import weakref
 
+from ._compat import reinit_lock
+
 _locks: weakref.WeakSet = weakref.WeakSet()
 _registry_lock = threading.Lock()
 
@@ -51,8 +53,8 @@ def _reset_in_child() -> None:
     # The registry lock was taken before the fork (so the set was not being
     # changed by another thread): the child's copy is held, by this thread.
     for each in list(_locks):
-        each._at_fork_reinit()
-    _registry_lock._at_fork_reinit()
+        reinit_lock(each)
+    reinit_lock(_registry_lock)
 
 
 if hasattr(os, "register_at_fork"):

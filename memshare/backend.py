@@ -15,7 +15,6 @@ never restarts the workers.
 
 from __future__ import annotations
 
-import queue
 import re
 import threading
 from concurrent.futures import Future
@@ -35,6 +34,7 @@ from joblib.parallel import (
     SequentialBackend,
 )
 
+from ._compat import drop_ready_batches
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._executor import discard_executor, get_executor
@@ -159,7 +159,13 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
     def start_call(self) -> None:
         if self._session is not None:
             self._session.new_generation()
-        _drop_leftover_batches(getattr(self, "parallel", None))
+        # joblib cuts tasks into batches ahead of dispatch and never empties its
+        # queue of spare ones: after a call stopped by an error, a managed
+        # ``with Parallel() as p:`` would run the failed call's leftover tasks in
+        # its next call and raise their errors there (joblib's own loky backend
+        # does). A new call has dispatched nothing yet, so anything queued
+        # belongs to an earlier one.
+        drop_ready_batches(getattr(self, "parallel", None))
 
     def submit(self, func, callback=None):
         session = self._session
@@ -243,24 +249,6 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
     def temp_folder(self) -> Optional[str]:
         """The current call's folder in shared memory, if a call is running."""
         return None if self._session is None else self._session.folder.pair.primary
-
-
-def _drop_leftover_batches(parallel: Any) -> None:
-    """Forget the batches an earlier call of ``parallel`` split off but never dispatched.
-
-    joblib cuts tasks into batches ahead of dispatch and keeps the spare ones
-    in a queue on the ``Parallel`` object, which it never empties: after a
-    call stopped by an error, a managed ``with Parallel() as p:`` would run
-    the failed call's leftover tasks in its next call, and raise their
-    errors there (joblib's own loky backend does). A new call has dispatched
-    nothing yet, so anything queued belongs to an earlier one.
-    """
-    ready = getattr(parallel, "_ready_batches", None)
-    while ready is not None:
-        try:
-            ready.get_nowait()
-        except queue.Empty:
-            return
 
 
 def _explain_terminated(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ import joblib
 from joblib import delayed
 from joblib.parallel import get_active_backend
 
+from ._compat import iterator_exhausted
 from ._config import parse_max_nbytes
 from .backend import BACKEND_NAME, MemshareBackend
 
@@ -125,7 +126,7 @@ class Parallel(joblib.Parallel):
         """
         if self.pre_dispatch == "all" and not self._dispatched_all:
             return False
-        return getattr(self, "_original_iterator", None) is None and not getattr(self, "_iterating", False)
+        return iterator_exhausted(self)
 
     def _close_bar_after(self, output: Iterator) -> Iterator:
         try:

@@ -20,14 +20,14 @@ import os
 import pickle
 import sys
 import threading
-import time
 from multiprocessing.connection import wait
-from multiprocessing.pool import ApplyResult, IMapIterator, MapResult, Pool
+from multiprocessing.pool import Pool
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import cloudpickle
 
 from . import _forksafe
+from ._compat import drain_task_queue, fail_pool_result, pending_pool_results, pool_size
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
@@ -221,7 +221,7 @@ class MemmappingPool(Pool):
         self._session.new_generation()
         items = list(iterable)
         if chunksize is None:
-            chunksize = max(1, len(items) // (4 * self._processes) + bool(len(items) % (4 * self._processes)))
+            chunksize = max(1, len(items) // (4 * pool_size(self)) + bool(len(items) % (4 * pool_size(self))))
         tasks = self._feed.lazy(func, items, star)
         return list(_progress(super().imap(run_or_return, tasks, chunksize), len(items)))
 
@@ -234,6 +234,8 @@ class MemmappingPool(Pool):
     # -- results -----------------------------------------------------------------
 
     def _setup_queues(self) -> None:
+        # A private hook of Pool (checked in _compat): the one place where every
+        # message from the workers passes, in the result thread.
         super()._setup_queues()
         receive = self._quick_get  # read by Pool.__init__ right after this call
         restore = self._feed.restore
@@ -274,16 +276,12 @@ class MemmappingPool(Pool):
             monitor.join(timeout=5)
 
     @staticmethod
-    def _help_stuff_finish(inqueue, task_handler, size):
+    def _help_stuff_finish(inqueue, task_handler, size):  # Pool's private hook, checked in _compat
         # Pool.terminate drains the task queue under its read lock. A worker
         # killed while waiting for a task never released that lock, and the
         # standard pool would then hang forever here; the workers are being
         # terminated anyway, so give up on draining after a moment.
-        if not inqueue._rlock.acquire(timeout=1.0):
-            return
-        while task_handler.is_alive() and inqueue._reader.poll():
-            inqueue._reader.recv()
-            time.sleep(0)
+        drain_task_queue(inqueue, task_handler, lock_timeout=1.0)
 
     @property
     def temp_folder(self) -> str:
@@ -383,21 +381,8 @@ class MemmappingPool(Pool):
                 os.close(fd)
 
     def _fail_pending(self, error: BaseException) -> None:
-        # The standard result objects have no public way to fail them; _set is
-        # what the pool's own result thread calls, with the same arguments.
-        for result in list(self._cache.values()):
-            try:
-                if isinstance(result, IMapIterator):
-                    index = result._index
-                    result._set(index, (False, error))
-                    result._set_length(index + 1)
-                elif isinstance(result, MapResult):
-                    while not result.ready():
-                        result._set(0, (False, error))
-                elif isinstance(result, ApplyResult):
-                    result._set(0, (False, error))
-            except (KeyError, IndexError, TypeError):
-                pass  # finished concurrently
+        for result in pending_pool_results(self):
+            fail_pool_result(result, error)
 
 
 def _length(iterable: Any) -> Optional[int]:

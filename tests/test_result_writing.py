@@ -232,7 +232,9 @@ def test_results_bigger_than_a_small_shm_move_to_disk_with_their_values(small_tm
     n = 48 * 1024**2 // 8
     with pytest.warns(memshare.SharedMemoryFallbackWarning, match="on disk instead") as caught:
         out = memshare.Parallel(n_jobs=2)(memshare.delayed(full_of)(n, float(i)) for i in range(4))
-    assert len(caught) == 1  # in the parent, where the caller's filters apply; once per call
+    # In the parent, where the caller's filters apply; once per call. Only memshare's
+    # warnings count: old joblib on a new Python adds DeprecationWarnings of its own.
+    assert len([w for w in caught if issubclass(w.category, memshare.SharedMemoryFallbackWarning)]) == 1
     for i, array in enumerate(out):
         assert array.shape == (n,) and array[0] == array[n // 2] == array[-1] == float(i)
     stats = memshare.last_call_stats()

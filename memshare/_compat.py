@@ -1,0 +1,236 @@
+"""Every private name of joblib, loky, multiprocessing and the threading module that memshare relies on.
+
+memshare extends these libraries at a few points where they offer no public
+hook. Each such use goes through a function of this module, with a line
+saying why, so that a release that renames something breaks in one known
+place instead of deep inside a call. :data:`CHECKS` lists every name; each is
+looked up once, at import, and :func:`failed_checks` reports the missing
+ones. ``python -m memshare doctor`` prints them with the fix. The functions
+below degrade to doing nothing where their name is missing, so a missing
+name costs a safety net, never an import error.
+
+``MemmappingPool`` also overrides methods of ``multiprocessing.pool.Pool``
+(``Process``, ``_setup_queues``, ``_help_stuff_finish``); they are checked
+here too, and ``pool.py`` says why at each override.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.pool as _mp_pool
+import multiprocessing.queues as _mp_queues
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import joblib
+from joblib.externals.loky import process_executor as _loky_process_executor
+
+
+@dataclass(frozen=True)
+class Check:
+    """One private name memshare uses: where it is, why, and whether it was found."""
+
+    name: str
+    why: str
+    found: bool
+
+
+def _has(owner: Any, attribute: str) -> bool:
+    return hasattr(owner, attribute)
+
+
+def _uses_attribute(cls: type, attribute: str) -> bool:
+    """True when a method of ``cls`` (or of a base) reads or sets ``self.<attribute>``.
+
+    Instance attributes exist only on instances; their names do appear in the
+    code of the methods that set them, without making an instance.
+    """
+    for klass in getattr(cls, "__mro__", ()):
+        for member in vars(klass).values():
+            code = getattr(getattr(member, "__func__", member), "__code__", None)
+            if code is not None and attribute in code.co_names:
+                return True
+    return False
+
+
+_SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
+    (
+        "joblib.Parallel._ready_batches",
+        "a new call empties the batches a failed call fetched ahead, or a managed context would run them",
+        lambda: _uses_attribute(joblib.Parallel, "_ready_batches"),
+    ),
+    (
+        "joblib.Parallel._original_iterator / _iterating",
+        "the progress bar learns a generator's total when joblib has taken its last task",
+        lambda: all(_uses_attribute(joblib.Parallel, name) for name in ("_original_iterator", "_iterating")),
+    ),
+    (
+        "loky process_executor._MAX_MEMORY_LEAK_SIZE",
+        "workers lift loky's 300 MB leak limit, which the shared pages they map would trip",
+        lambda: _has(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"),
+    ),
+    (
+        "multiprocessing Pool._setup_queues / _quick_get",
+        "the pool restores each outcome on its result thread, before the standard machinery sees it",
+        lambda: _has(_mp_pool.Pool, "_setup_queues") and _uses_attribute(_mp_pool.Pool, "_quick_get"),
+    ),
+    (
+        "multiprocessing Pool._help_stuff_finish / SimpleQueue._rlock / _reader",
+        "terminate() gives up draining a task queue whose lock a killed worker took with it",
+        lambda: (
+            _has(_mp_pool.Pool, "_help_stuff_finish")
+            and _uses_attribute(_mp_queues.SimpleQueue, "_rlock")
+            and _uses_attribute(_mp_queues.SimpleQueue, "_reader")
+        ),
+    ),
+    (
+        "multiprocessing Pool._cache / _processes",
+        "a dead worker fails the pool's pending results; map picks a chunk size from the pool's size",
+        lambda: _uses_attribute(_mp_pool.Pool, "_cache") and _uses_attribute(_mp_pool.Pool, "_processes"),
+    ),
+    (
+        "multiprocessing ApplyResult._set / IMapIterator._index / _set_length",
+        "a dead worker fails pending results the way the pool's own result thread completes them",
+        lambda: (
+            _has(_mp_pool.ApplyResult, "_set")
+            and _has(_mp_pool.IMapIterator, "_set")
+            and _uses_attribute(_mp_pool.IMapIterator, "_index")
+            and _has(_mp_pool.IMapIterator, "_set_length")
+        ),
+    ),
+    (
+        "threading.Lock._at_fork_reinit",
+        "memshare's locks are unlocked in a forked child, as the standard library does for its own",
+        lambda: _has(threading.Lock(), "_at_fork_reinit") and _has(threading.RLock(), "_at_fork_reinit"),
+    ),
+)
+
+
+def _run_checks() -> Tuple[Check, ...]:
+    checks = []
+    for name, why, probe in _SPECS:
+        try:
+            found = bool(probe())
+        except Exception:
+            found = False
+        checks.append(Check(name, why, found))
+    return tuple(checks)
+
+
+#: The result of looking each name up at import; immutable afterwards.
+CHECKS: Tuple[Check, ...] = _run_checks()
+
+
+def failed_checks() -> List[Check]:
+    """The private names that the installed versions lack."""
+    return [check for check in CHECKS if not check.found]
+
+
+# -- joblib ------------------------------------------------------------------
+
+
+def drop_ready_batches(parallel: Any) -> None:
+    """Empty the batches joblib cut ahead of dispatch for an earlier call of ``parallel``.
+
+    joblib keeps spare batches in a queue on the ``Parallel`` object and never
+    empties it after a call stopped by an error.
+    """
+    ready = getattr(parallel, "_ready_batches", None)
+    get = getattr(ready, "get_nowait", None)
+    while get is not None:
+        try:
+            get()
+        except Exception:  # queue.Empty
+            return
+
+
+def iterator_exhausted(parallel: Any) -> bool:
+    """True once joblib has dropped its reference to the call's iterable (it found it exhausted)."""
+    return getattr(parallel, "_original_iterator", None) is None and not getattr(parallel, "_iterating", False)
+
+
+# -- loky --------------------------------------------------------------------
+
+
+def set_loky_leak_limit(nbytes: int) -> None:
+    """Set, in this loky worker, the RSS growth after which loky recycles it as leaking.
+
+    The loky releases bundled by joblib 1.3 to 1.6 hard-code the limit in this
+    module global and read it at each check.
+    """
+    if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
+        _loky_process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
+
+
+# -- multiprocessing -----------------------------------------------------------
+
+
+def pending_pool_results(pool: _mp_pool.Pool) -> list:
+    """The result objects of ``pool`` that have not completed."""
+    return list(getattr(pool, "_cache", {}).values())
+
+
+def pool_size(pool: _mp_pool.Pool) -> int:
+    """The number of worker processes ``pool`` keeps."""
+    return int(getattr(pool, "_processes", 1) or 1)
+
+
+def fail_pool_result(result: Any, error: BaseException) -> None:
+    """Complete a pending pool result with ``error``, as the pool's result thread would.
+
+    The standard result objects have no public way to fail them; ``_set`` is
+    what the result thread calls, with the same arguments.
+    """
+    try:
+        if isinstance(result, _mp_pool.IMapIterator):
+            index = result._index
+            result._set(index, (False, error))
+            result._set_length(index + 1)
+        elif isinstance(result, _mp_pool.MapResult):
+            while not result.ready():
+                result._set(0, (False, error))
+        elif isinstance(result, _mp_pool.ApplyResult):
+            result._set(0, (False, error))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        pass  # finished concurrently, or a Python without these names
+
+
+def drain_task_queue(inqueue: Any, task_handler: threading.Thread, lock_timeout: float = 1.0) -> None:
+    """Drain a pool's task queue as ``Pool._help_stuff_finish`` does, without hanging.
+
+    The standard version waits forever for the queue's read lock, which a
+    worker killed while waiting for a task never releases.
+    """
+    rlock: Optional[Any] = getattr(inqueue, "_rlock", None)
+    reader = getattr(inqueue, "_reader", None)
+    if rlock is None or reader is None or not rlock.acquire(timeout=lock_timeout):
+        return
+    while task_handler.is_alive() and reader.poll():
+        reader.recv()
+        time.sleep(0)
+
+
+# -- threading -----------------------------------------------------------------
+
+
+def reinit_lock(lock: Any) -> None:
+    """Make ``lock`` unlocked and usable again in a forked child (the standard library's own reset)."""
+    reinit = getattr(lock, "_at_fork_reinit", None)
+    if reinit is not None:
+        reinit()
+
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "drain_task_queue",
+    "drop_ready_batches",
+    "fail_pool_result",
+    "failed_checks",
+    "iterator_exhausted",
+    "pending_pool_results",
+    "pool_size",
+    "reinit_lock",
+    "set_loky_leak_limit",
+]
