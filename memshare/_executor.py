@@ -18,11 +18,11 @@ is discarded by the backend, which then asks for a new one.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Dict, Optional, Tuple
 
 from joblib.externals.loky import ProcessPoolExecutor
 
+from . import _forksafe
 from ._compat import set_loky_leak_limit
 from ._owners import owner_identity
 from ._worker import watch_parent
@@ -31,7 +31,7 @@ from ._worker import watch_parent
 #: honours it in its workers, with no limit by default.
 LEAK_LIMIT_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
 
-_lock = threading.Lock()
+_lock = _forksafe.lock()  # a call in another thread may hold it when this process forks
 _executor: Optional[ProcessPoolExecutor] = None
 _executor_key: Optional[Tuple] = None
 _executor_owner: Optional[int] = None  # the pid that created _executor

@@ -244,6 +244,12 @@ _warned: set = set()
 _warned_lock = _forksafe.lock()
 
 
+def _forget_warnings(primary: str) -> None:
+    """Drop what was warned about a folder that is gone, so that the set stays bounded."""
+    with _warned_lock:
+        _warned.difference_update({key for key in _warned if key[0] == primary})
+
+
 def _first_warning(primary: str, what: str) -> bool:
     with _warned_lock:
         if (primary, what) in _warned:
@@ -311,6 +317,7 @@ def _remove_paths(paths: List[str]) -> None:
         with _state.lock:
             _state.live_paths.discard(path)
         _state.watchdog.unregister(path)
+        _forget_warnings(path)
 
 
 @atexit.register

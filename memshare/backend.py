@@ -16,7 +16,6 @@ never restarts the workers.
 from __future__ import annotations
 
 import re
-import threading
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -34,6 +33,7 @@ from joblib.parallel import (
     SequentialBackend,
 )
 
+from . import _forksafe
 from ._compat import drop_ready_batches
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
@@ -262,7 +262,7 @@ def _exit_codes(text: str):
     return re.findall(r"\((-?\d+)\)", text)
 
 
-_register_lock = threading.Lock()
+_register_lock = _forksafe.lock()
 
 
 def register_backend(make_default: bool = False) -> None:
