@@ -82,10 +82,9 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self._executor = None
         self._session: Optional[Session] = None
         self._n_jobs = 1
-        # Incremented by abort_everything. A task submitted before an abort
-        # must never report to joblib afterwards: joblib resets its per-call
-        # flags before it changes the call id, and a late error arriving in
-        # that window would be charged to the next call of a managed context.
+        # Incremented by abort_everything. joblib ignores the outcome of a
+        # task that finishes once its call is aborting, so nobody will read
+        # it: such a task's inputs are released in submit's callback instead.
         self._epoch = 0
         self._dumped_per_task = 0.0  # bytes dumped per task by the last batch, for compute_batch_size
 
@@ -163,8 +162,13 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         # queue of spare ones: after a call stopped by an error, a managed
         # ``with Parallel() as p:`` would run the failed call's leftover tasks in
         # its next call and raise their errors there (joblib's own loky backend
-        # does). A new call has dispatched nothing yet, so anything queued
-        # belongs to an earlier one.
+        # does). Emptying it here leaves none behind whatever the timing: joblib
+        # calls start_call after the new call's id and flags are set and before
+        # its first dispatch, and by then nothing of an earlier call can still
+        # dispatch (its completion callbacks ran under Parallel._lock, or, when
+        # it was aborted, in loky's manager thread, which abort_everything
+        # joined, or in the dispatching thread itself when a future was already
+        # done as its callback was added). So anything queued is an earlier call's.
         drop_ready_batches(getattr(self, "parallel", None))
 
     def submit(self, func, callback=None):

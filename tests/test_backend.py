@@ -1,5 +1,6 @@
 """The "memshare" joblib backend and memshare.Parallel, with joblib's semantics."""
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -141,6 +142,29 @@ def test_a_reused_parallel_never_runs_tasks_left_over_by_a_failed_call(tmp_path)
     with pytest.raises(CustomError, match="the failure"):
         parallel(iter(tasks))
     assert parallel(delayed(square)(i) for i in range(3)) == [0, 1, 4]
+
+
+def fail_on_none(x):
+    if x is None:
+        raise CustomError("planned")
+    return x
+
+
+def joblib_parallel_on_memshare(**kwargs):
+    return joblib.Parallel(backend="memshare", **kwargs)
+
+
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "reused"])
+@pytest.mark.parametrize("make", [Parallel, joblib_parallel_on_memshare], ids=["memshare", "joblib"])
+def test_next_call_never_runs_tasks_prefetched_by_a_failed_call(make, managed):
+    # With pre_dispatch=1 one task runs at a time and each completion
+    # dispatches the next; joblib fetches n_jobs batches at once, so when the
+    # second task fails the third (99) is always fetched but not dispatched.
+    parallel = make(n_jobs=2, pre_dispatch=1, batch_size=1)
+    with parallel if managed else contextlib.nullcontext():
+        with pytest.raises(CustomError):
+            parallel(delayed(fail_on_none)(x) for x in [0, None, 99, 98])
+        assert parallel(delayed(fail_on_none)(x) for x in [1, 2, 3]) == [1, 2, 3]
 
 
 def test_timeout_and_generators():
