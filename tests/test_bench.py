@@ -12,6 +12,7 @@ import uuid
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from memshare._benchmarks.memory import MemorySampler
 
@@ -43,7 +44,8 @@ def _run_quick(command: list, tmp_path) -> subprocess.CompletedProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
-    time.sleep(0.5)  # let the resource trackers of the finished run unlink their files
+    # The resource trackers of the finished run unlink their files shortly after it exits.
+    wait_until(lambda: not [p for p in _leftovers(proc.pid) if "memshare" in os.path.basename(p)], 10)
     left = _leftovers(proc.pid)
     # joblib (not memshare) leaves empty memmapping folders behind (DESIGN.md section 2, item 11): tidy them.
     for path in [p for p in left if "joblib_memmapping_folder" in os.path.basename(p)]:
@@ -198,9 +200,7 @@ def test_tree_mode_ignores_files_of_others_and_of_the_past():
             # Written by an orphaned process (its parent shell exits at once): outside this process tree,
             # like another session's files on a shared machine.
             subprocess.run(["sh", "-c", f"(head -c {200 * MiB} /dev/zero > {foreign}) >/dev/null 2>&1 &"], check=True)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and (not os.path.exists(foreign) or os.path.getsize(foreign) < 200 * MiB):
-                time.sleep(0.02)
+            wait_until(lambda: os.path.exists(foreign) and os.path.getsize(foreign) >= 200 * MiB, 30)
             os.unlink(old)
             _write_shm(new, 100)
             time.sleep(0.2)

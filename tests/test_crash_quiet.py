@@ -182,14 +182,23 @@ def _entries_in(base) -> list:
 
 # -- 2. KeyboardInterrupt in the parent mid-call ------------------------------
 
-INTERRUPTED_PARALLEL = """
-import sys, time
-import numpy as np
-from memshare import Parallel, delayed
+# Both scripts raise KeyboardInterrupt on SIGINT even when started with SIGINT
+# ignored (by nohup, or a shell's "&"), and mark each task as it starts.
+INTERRUPTIBLE = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def slow(x):
+    open(os.path.join(os.environ["STARTED_DIR"], str(os.getpid())), "w").close()
     time.sleep(60)
     return float(x[0])
+"""
+
+INTERRUPTED_PARALLEL = (
+    INTERRUPTIBLE
+    + """
+import numpy as np
+from memshare import Parallel, delayed
 
 def double(i):
     return 2 * i
@@ -206,15 +215,13 @@ if __name__ == "__main__":
     assert Parallel(n_jobs=2)(delayed(double)(i) for i in range(8)) == [2 * i for i in range(8)]
     print("OK", flush=True)
 """
+)
 
-INTERRUPTED_POOL = """
-import sys, time
+INTERRUPTED_POOL = (
+    INTERRUPTIBLE
+    + """
 import numpy as np
 from memshare import MemmappingPool
-
-def slow(x):
-    time.sleep(60)
-    return float(x[0])
 
 def double(i):
     return 2 * i
@@ -237,6 +244,7 @@ if __name__ == "__main__":
         assert again.map(double, range(8)) == [2 * i for i in range(8)]
     print("OK", flush=True)
 """
+)
 
 
 # A suite started in the background by a non-interactive shell (as CI may be)
@@ -247,10 +255,12 @@ _RESTORE_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_in
 @pytest.mark.parametrize("code", [INTERRUPTED_PARALLEL, INTERRUPTED_POOL], ids=["Parallel", "MemmappingPool"])
 def test_keyboard_interrupt_mid_call(tmp_path, code):
     base = tmp_path / "interrupted"
-    child = _start(_RESTORE_SIGINT + code, {"MEMSHARE_TEMP_FOLDER": str(base)})
+    started = tmp_path / "started"
+    started.mkdir()
+    child = _start(_RESTORE_SIGINT + code, {"MEMSHARE_TEMP_FOLDER": str(base), "STARTED_DIR": str(started)})
     try:
         assert wait_until(lambda: _files_in(base), 60), "the call never dumped its array"
-        time.sleep(0.3)  # let the workers start on their tasks
+        assert wait_until(lambda: len(os.listdir(started)) >= 2, 60), "the workers never started their tasks"
         child.send_signal(signal.SIGINT)
         try:
             stdout, stderr = child.communicate(timeout=PROMPTLY)

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -114,10 +113,15 @@ if __name__ == "__main__":
         env={**os.environ, "MEMSHARE_TEMP_FOLDER": str(base)},
     )
     try:
-        wait_until(lambda: files_under(base), 60, interval=0.1)
-        assert files_under(base), "the call never dumped its array"
-        descendants = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
-        assert len(descendants) >= 3  # two workers and the watchdog, at least
+        assert wait_until(lambda: files_under(base), 60, interval=0.1), "the call never dumped its array"
+
+        def descendant_pids():
+            return [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+
+        # The array is dumped before loky starts the workers: wait for them
+        # (two workers and the watchdog, at least).
+        assert wait_until(lambda: len(descendant_pids()) >= 3, 60, interval=0.1), descendant_pids()
+        descendants = descendant_pids()
         child.kill()
         child.wait()
         wait_until(lambda: not memshare_entries(base) and not any(_alive(p) for p in descendants), 10, interval=0.1)
@@ -250,12 +254,17 @@ def test_idle_workers_let_go_of_deleted_dumps_promptly(shm_dir):
     first = Parallel(n_jobs=2)(delayed(mapped_memshare_files)(data) for _ in range(4))
     assert any(first), "workers should have mapped the dump during the call"
     workers = {p.pid for p in psutil.Process().children(recursive=True) if "loky" in _command_line(p)}
-    time.sleep(0.2)  # the pruner checks every 50 ms while it holds mappings
-    leftovers = []
-    for pid in workers:
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                leftovers += [line for line in maps if "/memshare-" in line and "dump-" in line]
-        except FileNotFoundError:
-            pass
-    assert workers and leftovers == []
+    assert workers
+
+    def leftovers():
+        found = []
+        for pid in workers:
+            try:
+                with open(f"/proc/{pid}/maps") as maps:
+                    found += [line for line in maps if "/memshare-" in line and "dump-" in line]
+            except FileNotFoundError:
+                pass
+        return found
+
+    # The pruner checks every 50 ms while it holds mappings.
+    assert wait_until(lambda: not leftovers(), 10), leftovers()

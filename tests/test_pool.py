@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries
+from conftest import files_under, memshare_entries, wait_until
 
 import memshare
 from memshare import MemmappingPool
@@ -162,12 +162,17 @@ def test_task_exceptions_keep_their_type_and_remote_traceback(shm_dir):
         assert pool.apply(add, (1, 1)) == 2  # still usable
 
 
-def test_killed_worker_fails_pending_tasks_promptly(shm_dir):
+def announce_then_sleep(marker, _):
+    open(marker, "w").close()
+    time.sleep(60)
+
+
+def test_killed_worker_fails_pending_tasks_promptly(shm_dir, tmp_path):
     data = np.ones(300_000)
     with MemmappingPool(2) as pool:
         pids = set(pool.map(pid, range(20)))
-        pending = pool.apply_async(sleep_forever, (data,))
-        time.sleep(1.0)
+        pending = pool.apply_async(announce_then_sleep, (str(tmp_path / "started"), data))
+        assert wait_until(lambda: (tmp_path / "started").exists(), 30), "the task never started"
         for worker_pid in pids:
             os.kill(worker_pid, signal.SIGKILL)
         started = time.monotonic()

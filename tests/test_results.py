@@ -2,13 +2,12 @@
 
 import os
 import signal
-import time
 
 import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from conftest import files_under, memshare_entries
+from conftest import files_under, memshare_entries, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -149,8 +148,8 @@ def test_shared_arrays_allocated_in_a_worker_are_handed_over_without_a_copy(shm_
     assert stats["results_by_reference"] == 2 and stats["arrays_dumped"] == 0
     half[0] = 5.0
     assert whole[0] == 5.0  # both views map the same pages, as in the worker
-    time.sleep(0.3)  # the worker's own name goes when its array is collected
-    assert files_under(shm_dir) == []
+    # The worker's own name goes when its array is collected there.
+    assert wait_until(lambda: files_under(shm_dir) == [], 10), files_under(shm_dir)
 
 
 def sparse_and_estimator(n):
