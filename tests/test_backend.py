@@ -3,6 +3,7 @@
 import contextlib
 import multiprocessing
 import os
+import re
 import threading
 import time
 
@@ -52,6 +53,9 @@ def worker_pid(_):
 @pytest.mark.parametrize("verbose", [0, 60])
 def test_results_equal_the_list_comprehension(n_jobs, verbose, capsys):
     assert Parallel(n_jobs=n_jobs, verbose=verbose)(delayed(square)(i) for i in range(20)) == [i * i for i in range(20)]
+    printed = capsys.readouterr()  # joblib reports on stdout from verbose=50 on, on stderr below
+    finished = re.search(r"Done +20 out of +20 .* finished", printed.out + printed.err)
+    assert bool(finished) == bool(verbose)  # joblib's progress report, only when asked for
 
 
 def test_lambdas_kwargs_and_large_arrays(shm_dir):

@@ -47,7 +47,7 @@ def _run_quick(command: list, tmp_path) -> subprocess.CompletedProcess:
     # The resource trackers of the finished run unlink their files shortly after it exits.
     wait_until(lambda: not [p for p in _leftovers(proc.pid) if "memshare" in os.path.basename(p)], 10)
     left = _leftovers(proc.pid)
-    # joblib (not memshare) leaves empty memmapping folders behind (DESIGN.md section 2, item 11): tidy them.
+    # The joblib contender's runs can leave joblib's own empty memmapping folders behind (not memshare's): tidy them.
     for path in [p for p in left if "joblib_memmapping_folder" in os.path.basename(p)]:
         shutil.rmtree(path, ignore_errors=True)
     assert not [p for p in left if "memshare" in os.path.basename(p)], left

@@ -6,10 +6,11 @@ MB from run to run on shared machines. The sum of ``RssAnon`` (private,
 anonymous memory) over the process tree plus the machine's ``Shmem`` (tmpfs and
 shared memory pages) counts each byte of data once wherever it lives.
 
-Two modes. ``"machine"`` adds the machine's ``Shmem`` (``/proc/meminfo``), as
-DESIGN.md suggests; on a machine shared with other sessions it moves with
-their files too, and a previous call's files deleted during a run make the
-next contender look smaller. ``"tree"`` (the default) adds only the
+Two modes. ``"machine"`` adds the machine's ``Shmem`` (``/proc/meminfo``),
+which counts every tmpfs and shared-memory page of the machine once; on a
+machine shared with other sessions it moves with their files too, and a
+previous call's files deleted during a run make the next contender look
+smaller. ``"tree"`` (the default) adds only the
 ``/dev/shm`` files of the tree (named after one of its pids, or mapped or open
 in one of its processes) that were not there at the baseline.
 
