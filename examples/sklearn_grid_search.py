@@ -16,9 +16,10 @@ def main(n_samples: int = 20_000, n_features: int = 50) -> None:
     with joblib.parallel_config(backend="memshare"):
         search.fit(X, y)
     stats = memshare.last_call_stats()
-    print(f"best C={search.best_params_['C']}, score={search.best_score_:.3f}")
+    best = LogisticRegression(max_iter=300, **search.best_params_).fit(X, y)
+    print(f"best C={best.C}, score={search.best_score_:.3f}")
     print(f"arrays written to shared memory: {stats['arrays_dumped']} ({stats['bytes_dumped'] / 2**20:.1f} MiB)")
-    assert stats["arrays_dumped"] >= 1
+    assert stats["arrays_dumped"] == 1  # X once for the 9 fits (y is small enough to be pickled)
 
 
 if __name__ == "__main__":
