@@ -247,17 +247,12 @@ if __name__ == "__main__":
 )
 
 
-# A suite started in the background by a non-interactive shell (as CI may be)
-# inherits SIGINT ignored, and so would the script: give it Python's handler.
-_RESTORE_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-
-
 @pytest.mark.parametrize("code", [INTERRUPTED_PARALLEL, INTERRUPTED_POOL], ids=["Parallel", "MemmappingPool"])
 def test_keyboard_interrupt_mid_call(tmp_path, code):
     base = tmp_path / "interrupted"
     started = tmp_path / "started"
     started.mkdir()
-    child = _start(_RESTORE_SIGINT + code, {"MEMSHARE_TEMP_FOLDER": str(base), "STARTED_DIR": str(started)})
+    child = _start(code, {"MEMSHARE_TEMP_FOLDER": str(base), "STARTED_DIR": str(started)})
     try:
         assert wait_until(lambda: _files_in(base), 60), "the call never dumped its array"
         assert wait_until(lambda: len(os.listdir(started)) >= 2, 60), "the workers never started their tasks"
