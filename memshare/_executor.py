@@ -10,7 +10,13 @@ of workers to stop and spawn the other. memshare therefore owns one
 same resource tracker and multiprocessing context, as joblib): it is reused
 from call to call, its idle workers exit after the call's
 ``idle_worker_timeout``, and it is replaced when it broke, was shut down, or
-is asked for with another worker count, environment or timeout. An
+is asked for with another worker count, environment, timeout or user
+initializer (compared with ``==`` as joblib's loky backend does: the same
+function object and equal ``initargs`` keep the workers). The user's
+initializer runs after memshare's own, in every worker the executor starts,
+including one that replaces a crashed worker; it travels to the workers with
+loky's process pickler (cloudpickle), so lambdas and ``__main__`` functions
+work. An
 executor found broken when a call submits to it (a worker died while idle)
 is discarded by the backend, which then asks for a new one.
 """
@@ -18,7 +24,7 @@ is discarded by the backend, which then asks for a new one.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from joblib.externals.loky import ProcessPoolExecutor
 
@@ -37,10 +43,17 @@ _executor_key: Optional[Tuple] = None
 _executor_owner: Optional[int] = None  # the pid that created _executor
 
 
-def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoolExecutor:
+def get_executor(
+    n_jobs: int,
+    timeout: float,
+    env: Dict[str, str],
+    initializer: Optional[Callable[..., Any]] = None,
+    initargs: Tuple = (),
+) -> ProcessPoolExecutor:
     """The executor for a call with ``n_jobs`` workers, reused when nothing changed."""
     global _executor, _executor_key, _executor_owner
-    key = (n_jobs, timeout, tuple(sorted(env.items())))
+    initargs = tuple(initargs)
+    key = (n_jobs, timeout, tuple(sorted(env.items())), initializer, initargs)
     with _lock:
         if _executor_owner != os.getpid():
             # A fork of the process that made the executor: the executor and
@@ -59,7 +72,7 @@ def get_executor(n_jobs: int, timeout: float, env: Dict[str, str]) -> ProcessPoo
             timeout=timeout,
             env=env,
             initializer=start_worker,
-            initargs=owner_identity(),
+            initargs=(*owner_identity(), initializer, initargs),
         )
         _executor_key, _executor_owner = key, os.getpid()
         return _executor
@@ -85,10 +98,17 @@ def discard_executor(executor: ProcessPoolExecutor, wait: bool = True) -> None:
     executor.shutdown(wait=wait, kill_workers=True)
 
 
-def start_worker(parent: int, parent_start: Optional[int]) -> None:
-    """Initializer of memshare's loky workers."""
+def start_worker(
+    parent: int,
+    parent_start: Optional[int],
+    user_initializer: Optional[Callable[..., Any]] = None,
+    user_initargs: Tuple = (),
+) -> None:
+    """Initializer of memshare's loky workers, then the user's one if given."""
     lift_leak_limit()
     watch_parent(parent, parent_start)
+    if user_initializer is not None:
+        user_initializer(*user_initargs)
 
 
 def lift_leak_limit() -> None:

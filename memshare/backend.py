@@ -82,6 +82,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self._executor = None
         self._session: Optional[Session] = None
         self._n_jobs = 1
+        self._initializer = None
+        self._initargs: tuple = ()
         # Incremented by abort_everything. joblib ignores the outcome of a
         # task that finishes once its call is aborting, so nobody will read
         # it: such a task's inputs are released in submit's callback instead.
@@ -126,6 +128,16 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self.parallel = parallel
         self._n_jobs = n_jobs
         self._timeout = idle_worker_timeout or self.idle_worker_timeout
+        # joblib hands Parallel(initializer=...) to configure and
+        # parallel_config(initializer=...) to __init__; the call's own wins.
+        options = {**getattr(self, "backend_kwargs", {}), **unused}
+        self._initializer = options.get("initializer")
+        self._initargs = tuple(options.get("initargs") or ())
+        if self._initializer is not None and not callable(self._initializer):
+            raise TypeError(
+                f"initializer must be a callable run in each worker, got {self._initializer!r}; "
+                "pass a function and its arguments as initargs=(...)"
+            )
         self._executor = self._get_executor()
         if self._session is not None:
             self._session.close()
@@ -133,7 +145,13 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         return n_jobs
 
     def _get_executor(self):
-        return get_executor(self._n_jobs, self._timeout, self._prepare_worker_env(n_jobs=self._n_jobs))
+        return get_executor(
+            self._n_jobs,
+            self._timeout,
+            self._prepare_worker_env(n_jobs=self._n_jobs),
+            self._initializer,
+            self._initargs,
+        )
 
     def compute_batch_size(self) -> int:
         """joblib's automatic batch size, capped so that a batch dumps about ``_BATCH_DUMP_BUDGET`` at most."""
