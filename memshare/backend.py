@@ -76,12 +76,25 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
     supports_retrieve_callback = True
     supports_inner_max_num_threads = True
 
-    def __init__(self, nesting_level=None, inner_max_num_threads=None, idle_worker_timeout=300, **backend_kwargs):
+    def __init__(
+        self,
+        nesting_level=None,
+        inner_max_num_threads=None,
+        idle_worker_timeout=300,
+        initializer=None,
+        initargs=(),
+        **backend_kwargs,
+    ):
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
         self.idle_worker_timeout = idle_worker_timeout
         self._executor = None
         self._session: Optional[Session] = None
         self._n_jobs = 1
+        # parallel_config(backend="memshare", initializer=...) arrives here. Taken
+        # as parameters, not left in backend_kwargs, because joblib before 1.5
+        # passes those on to a base class that accepts none.
+        self._configured_initializer = initializer
+        self._configured_initargs = initargs
         self._initializer = None
         self._initargs: tuple = ()
         # Incremented by abort_everything. joblib ignores the outcome of a
@@ -130,7 +143,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self._timeout = idle_worker_timeout or self.idle_worker_timeout
         # joblib hands Parallel(initializer=...) to configure and
         # parallel_config(initializer=...) to __init__; the call's own wins.
-        options = {**getattr(self, "backend_kwargs", {}), **unused}
+        configured = {"initializer": self._configured_initializer, "initargs": self._configured_initargs}
+        options = {**configured, **getattr(self, "backend_kwargs", {}), **unused}
         self._initializer = options.get("initializer")
         self._initargs = tuple(options.get("initargs") or ())
         if self._initializer is not None and not callable(self._initializer):

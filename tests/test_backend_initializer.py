@@ -17,6 +17,12 @@ pytestmark = pytest.mark.skipif(
     reason="this joblib does not pass an initializer to its backends",
 )
 
+# joblib.Parallel takes initializer= from joblib 1.5 on; parallel_config passes it to the backend in every version.
+_parallel_takes_initializer = pytest.mark.skipif(
+    tuple(int(part) for part in joblib.__version__.split(".")[:2]) < (1, 5),
+    reason="joblib.Parallel takes initializer= from joblib 1.5 on (parallel_config works before)",
+)
+
 memshare.register_backend()
 
 _TAG = "MEMSHARE_TEST_INIT_TAG"
@@ -40,6 +46,7 @@ def _run(n_tasks=8, **kwargs):
     )
 
 
+@_parallel_takes_initializer
 def test_initializer_runs_with_initargs_in_every_worker():
     results = _run(initializer=set_tag, initargs=("first",))
     assert {tag for _, tag in results} == {"first"}
@@ -52,6 +59,7 @@ def test_parallel_config_initializer_reaches_workers():
     assert {tag for _, tag in results} == {"from-config"}
 
 
+@_parallel_takes_initializer
 def test_same_initializer_reuses_workers_and_another_replaces_them():
     _run(initializer=set_tag, initargs=("reuse",))
     executor = current_executor()
@@ -65,6 +73,7 @@ def test_same_initializer_reuses_workers_and_another_replaces_them():
     assert {tag for _, tag in third} == {"other"}
 
 
+@_parallel_takes_initializer
 def test_worker_killed_is_replaced_by_one_that_ran_the_initializer():
     _run(initializer=set_tag, initargs=("survivor",))
     executor = current_executor()
@@ -76,6 +85,7 @@ def test_worker_killed_is_replaced_by_one_that_ran_the_initializer():
     assert {tag for _, tag in results} == {"survivor"}
 
 
+@_parallel_takes_initializer
 def test_lambda_initializer_from_main_travels_by_value():
     run_script(
         """
@@ -94,4 +104,5 @@ if __name__ == "__main__":
 
 def test_non_callable_initializer_is_refused():
     with pytest.raises(TypeError, match="initializer must be a callable"):
-        _run(initializer="not a function")
+        with joblib.parallel_config(backend="memshare", initializer="not a function"):
+            joblib.Parallel(n_jobs=2)(joblib.delayed(pid_and_tag)(i) for i in range(2))
