@@ -86,20 +86,30 @@ def _mount_tmpfs(path, size: str, flags: int = 0) -> int:
     return 0
 
 
+def mount_small_tmpfs(tmp_path, name: str, size: str, purpose: str):
+    """Mount a tmpfs of ``size`` at ``tmp_path / name``, or skip the test saying why (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"mounting a {size} tmpfs {purpose} needs root (CI runs as root)")
+    mount_point = tmp_path / name
+    mount_point.mkdir()
+    error = _mount_tmpfs(mount_point, size)
+    if error:
+        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
+    return mount_point
+
+
+def unmount(mount_point) -> None:
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 64 MB tmpfs, like Docker's default /dev/shm (root only; CI runs as root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 64 MB tmpfs to simulate Docker's /dev/shm needs root (CI runs as root)")
-    mount_point = tmp_path / "small-shm"
-    mount_point.mkdir()
-    error = _mount_tmpfs(mount_point, "64m")
-    if error:
-        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
+    mount_point = mount_small_tmpfs(tmp_path, "small-shm", "64m", "to simulate Docker's /dev/shm")
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+        unmount(mount_point)
 
 
 @pytest.fixture(autouse=True)

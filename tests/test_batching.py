@@ -13,23 +13,13 @@ import pytest
 from conftest import memshare_entries
 
 from memshare import Parallel, delayed
+from memshare._folders import folder_size
 
 MiB = 1 << 20
 
 
 def first(a, i=0):
     return float(a[0]) + i
-
-
-def _allocated_bytes(base: str) -> int:
-    total = 0
-    for folder, _, names in os.walk(base):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(folder, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass  # deleted while we looked: it no longer counts
-    return total
 
 
 class _PeakSampler:
@@ -42,7 +32,7 @@ class _PeakSampler:
 
     def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, _allocated_bytes(self.base))
+            self.peak = max(self.peak, folder_size(self.base))
             self.samples += 1
             if self._stop.wait(0.002):
                 return

@@ -7,7 +7,6 @@ they can look at the worker's memory and files directly; the parent's side
 
 import errno
 import os
-import subprocess
 import tempfile
 import warnings
 import weakref
@@ -16,7 +15,7 @@ import cloudpickle
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import _mount_tmpfs, files_under, memshare_entries
+from conftest import files_under, memshare_entries, mount_small_tmpfs, unmount
 
 import memshare
 import memshare._folders as folders_module
@@ -288,19 +287,13 @@ def test_the_parent_warns_once_and_counts_results_that_went_to_disk_or_by_value(
 @pytest.fixture
 def small_disk_temp(tmp_path, monkeypatch):
     """The system temp dir, as the disk fallback sees it, on a 32 MB tmpfs (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 32 MB tmpfs as the temp dir needs root (CI runs as root)")
-    mount_point = tmp_path / "small-temp"
-    mount_point.mkdir()
-    error = _mount_tmpfs(mount_point, "32m")
-    if error:
-        pytest.skip(f"mount not permitted here (errno {error}: {os.strerror(error)})")
+    mount_point = mount_small_tmpfs(tmp_path, "small-temp", "32m", "as the temp dir")
     monkeypatch.setattr(tempfile, "tempdir", str(mount_point))
     try:
         yield mount_point
     finally:
         monkeypatch.undo()
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+        unmount(mount_point)
 
 
 def test_results_too_big_for_shared_memory_and_disk_come_back_by_value(small_tmpfs, small_disk_temp, monkeypatch):
