@@ -8,7 +8,13 @@ prints them, and ends with a verdict: one ``OK:`` line, or one ``PROBLEM:``
 line per problem saying what to do about it. The exit status is non-zero when
 there is a problem, so the check can gate a CI job or a container start.
 
-It only reads: it never creates, changes or removes anything.
+It only reads: it never creates, changes or removes anything of the user's
+(the one-time probe of memfds makes a memfd of one page, which goes at once).
+
+It also says which mechanism memshare uses (memfds or named files, and why:
+the decision of ``_folders.choose_location``), and lists the memfds of
+memshare that processes of this user hold, by owner: they hold memory
+although no folder shows them.
 """
 
 from __future__ import annotations
@@ -20,9 +26,18 @@ import platform
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from . import _compat
+from . import _compat, _memfd
 from ._config import format_bytes
-from ._folders import SHM_ROOT, candidate_bases, default_base, fallback_base, folder_size, free_bytes, list_folders
+from ._folders import (
+    SHM_ROOT,
+    candidate_bases,
+    choose_location,
+    default_base,
+    fallback_base,
+    folder_size,
+    free_bytes,
+    list_folders,
+)
 from ._owners import pid_namespace
 
 GIB = 1024**3
@@ -107,12 +122,20 @@ def _version(module_name: str) -> str:
     return str(getattr(module, "__version__", "unknown"))
 
 
-def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], None], verdict: Verdict) -> None:
-    """Report on the shared memory location ``shm`` and judge its size and free space."""
+def _check_shm(
+    shm: str, need: int, limit: Optional[int], say: Callable[[str], None], verdict: Verdict, in_memory: bool = False
+) -> None:
+    """Report on the shared memory location ``shm`` and judge its size and free space.
+
+    With memfds (``in_memory``), memshare's arrays need no room there: a
+    small or full ``shm`` is then a note, not a problem.
+    """
+    # With memfds, what would be a problem for named files is a note.
+    report = verdict.notes.append if in_memory else verdict.problems.append
     threshold = max(MIN_SHM_BYTES, 2 * need)
     if not os.path.isdir(shm):
         say("  missing")
-        verdict.problems.append(
+        report(
             f"{shm} does not exist, so arrays go to the disk temp folder, which is slow. Provide a RAM-backed "
             f"{shm} ({shm_size_advice(threshold)}) or set MEMSHARE_TEMP_FOLDER to a tmpfs folder."
         )
@@ -121,14 +144,14 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
         st = os.statvfs(shm)
     except OSError as exc:
         say(f"  cannot be inspected: {exc}")
-        verdict.problems.append(f"{shm} cannot be inspected ({exc}); check its permissions and mount.")
+        report(f"{shm} cannot be inspected ({exc}); check its permissions and mount.")
         return
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     fs_type = _fs_type(shm)
     say(f"  file system: {fs_type}")
     say(f"  size: {format_bytes(size)}, free: {format_bytes(free)}")
     if not os.access(shm, os.W_OK | os.X_OK):
-        verdict.problems.append(
+        report(
             f"{shm} is not writable by this user, so arrays go to disk. Fix its permissions (it should be "
             "mode 1777, like /tmp) or set MEMSHARE_TEMP_FOLDER to a writable tmpfs folder."
         )
@@ -137,12 +160,12 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
     if size < threshold:
         why = f"2x the {format_bytes(need)} given with --need" if 2 * need > MIN_SHM_BYTES else "the 1 GiB minimum"
         docker = " (Docker's default is 64 MiB)" if size < MIN_SHM_BYTES else ""
-        verdict.problems.append(
+        report(
             f"{shm} is only {format_bytes(size)}{docker}, below {why}; arrays that do not fit go to disk, which is "
             f"slower. Give it at least {format_bytes(threshold)}: {shm_size_advice(threshold)}."
         )
     elif free < NEARLY_FULL_FRACTION * size or free < 2 * need:
-        verdict.problems.append(
+        report(
             f"{shm} is nearly full ({format_bytes(free)} free of {format_bytes(size)}). Remove leftovers with "
             f"`python -m memshare clean`, and see what else fills it with `du -sh {shm}/*`."
         )
@@ -151,6 +174,18 @@ def _check_shm(shm: str, need: int, limit: Optional[int], say: Callable[[str], N
             f"files in {shm} count against the container memory limit of {format_bytes(limit)}, "
             "so that is the real room for shared arrays plus everything else."
         )
+
+
+def _check_memfds(say: Callable[[str], None]) -> None:
+    """List the memshare memfds that processes of this user hold, by owner."""
+    by_owner: dict = {}
+    for memfd in _memfd.live_memfds():
+        by_owner.setdefault(memfd.pid, []).append(memfd)
+    if not by_owner:
+        say("  none held by any process of this user")
+    for pid, held in sorted(by_owner.items()):
+        kinds = ", ".join(f"{sum(m.kind == k for m in held)} {k}" for k in sorted({m.kind for m in held}))
+        say(f"  pid {pid}: {len(held)} memfd(s) ({kinds}), {format_bytes(sum(m.nbytes for m in held))}")
 
 
 def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> None:
@@ -196,8 +231,13 @@ def _check_internals(say: Callable[[str], None], verdict: Verdict) -> None:
 def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = print) -> int:
     """Print the report and verdict through ``say``; return 0 when healthy, 1 otherwise."""
     verdict = Verdict()
+    location = choose_location()
     primary, reason = default_base()
     fallback = fallback_base(primary)
+    say("Mechanism")
+    say(f"  {location.reason}")
+    if location.in_memory:
+        say(f"  (probed in {_memfd.decision().seconds * 1000:.0f} ms; named files only where a memfd cannot be made)")
     say("Where memshare puts files")
     say(f"  primary:  {primary} (because {reason}), {format_bytes(free_bytes(primary))} free")
     if fallback:
@@ -211,11 +251,13 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
 
     limit, limit_source = memory_limit()
     say(f"Shared memory at {shm}")
-    _check_shm(shm, need, limit, say, verdict)
+    _check_shm(shm, need, limit, say, verdict, location.in_memory)
     say(f"  container memory limit: {format_bytes(limit) + ' (' + limit_source + ')' if limit else limit_source}")
 
     say("memshare folders")
     _check_folders(shm, say, verdict)
+    say("memshare memfds")
+    _check_memfds(say)
 
     say("Versions")
     say(f"  python {platform.python_version()} ({platform.python_implementation()}), {platform.platform()}")
@@ -233,5 +275,6 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
         say(f"PROBLEM: {problem}")
     if verdict.problems:
         return 1
-    say(f"OK: memshare can share arrays through {primary}; no leftovers of dead owners.")
+    where = "memfds" if location.in_memory else primary
+    say(f"OK: memshare can share arrays through {where}; no leftovers of dead owners.")
     return 0

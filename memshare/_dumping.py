@@ -24,7 +24,7 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
-from ._folders import FolderPair
+from ._folders import FolderPair, delete_file
 from ._refs import ArrayRef, data_address
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in
@@ -134,7 +134,7 @@ def dump_array(folder: FolderPair, array: np.ndarray, kind: str, mode: str, orde
             write_range(fd, piece)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        delete_file(path)
         raise
     os.close(fd)
     return ref, time.perf_counter() - started

@@ -13,6 +13,16 @@ mid-cleanup) are swept the first time a later process creates a folder.
 Each folder has a *fallback* twin on disk, used file by file when the shared
 memory location has no room for one array.
 
+Mechanism: on Linux, files are memfds by default (see ``_memfd``): nameless
+memory held by a descriptor, which needs no room in ``/dev/shm`` and cannot
+leak. :func:`choose_location` is the one place that decides, from the
+probe of ``_memfd.decision`` and the user's settings: an explicit
+``temp_folder`` or ``MEMSHARE_TEMP_FOLDER`` keeps named files there. A
+:class:`FolderPair` carries the decision (``in_memory``) to every process
+that creates files for it, and :meth:`FolderPair.create_file` and
+:func:`delete_file` are the one create/delete pair for both mechanisms.
+Folders are still made (lazily) for what falls back to named files.
+
 Security: folders are 0700 and files 0600 whatever the umask; files are
 created with ``O_EXCL | O_NOFOLLOW`` so a planted file or symlink is never
 followed or truncated; names carry random parts.
@@ -32,7 +42,7 @@ import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from . import _forksafe
+from . import _forksafe, _memfd
 from ._config import ENV_TEMP_FOLDER, folder_from_environment, format_bytes, resolve_folder
 from ._errors import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
@@ -58,6 +68,31 @@ def default_base(explicit: Optional[str] = None) -> Tuple[str, str]:
     if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK | os.X_OK):
         return SHM_ROOT, f"{SHM_ROOT} exists and is writable (RAM-backed)"
     return tempfile.gettempdir(), f"{SHM_ROOT} is not usable; using the system temp dir"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a folder's files go: the base folder of named files, whether memfds come first, and why."""
+
+    base: str
+    in_memory: bool
+    reason: str
+
+
+def choose_location(explicit: Optional[str] = None) -> Location:
+    """The mechanism and place for new files: the one decision, logged once per process.
+
+    memfds when the probe says they work and no folder was set explicitly
+    (``temp_folder=``, ``MEMSHARE_TEMP_FOLDER``, ``JOBLIB_TEMP_FOLDER``): a
+    folder the user chose keeps named files there.
+    """
+    base, why = default_base(explicit)
+    if resolve_folder(explicit) is not None or folder_from_environment() is not None:
+        return Location(base, False, f"named files in {base}: {why} is set")
+    probed = _memfd.decision()
+    if probed.in_memory:
+        return Location(base, True, f"memfds: {probed.reason}")
+    return Location(base, False, f"named files in {base}: {probed.reason}")
 
 
 def fallback_base(primary_base: str) -> Optional[str]:
@@ -91,6 +126,17 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def delete_file(path: str) -> None:
+    """Delete a file that :meth:`FolderPair.create_file` made, whichever the mechanism.
+
+    A memfd of this process is closed (its memory goes with the last
+    mapping); a named file loses its name. A memfd of another process is
+    left to that process. Deleting twice is no error.
+    """
+    if not _memfd.release(path):
+        unlink_quietly(path)
 
 
 def ensure_private_dir(path: str) -> None:
@@ -155,16 +201,26 @@ class FolderPair:
     """The paths of one folder and of its disk fallback: plain, picklable data.
 
     Both the owner and its workers (for results) create files through it.
+    With ``in_memory``, files are memfds first (see ``_memfd``), and named
+    files only where a memfd cannot be made.
     """
 
     primary: str
     fallback: Optional[str] = None
+    in_memory: bool = False
+
+    def is_fallback(self, path: str) -> bool:
+        """True when the file at ``path`` went to the disk fallback."""
+        return self.fallback is not None and os.path.dirname(path) == self.fallback
 
     def link_file(self, source: str, prefix: str) -> Optional[str]:
         """A new name for ``source`` in the primary folder (no copy); None if impossible.
 
-        A hard link works only within one file system; the caller copies then.
+        A hard link works only within one file system, and a memfd has no
+        name to link; the caller copies then.
         """
+        if _memfd.is_memfd_path(source):
+            return None
         ensure_private_dir(self.primary)
         path = os.path.join(self.primary, f"{prefix}-{secrets.token_hex(8)}.bin")
         try:
@@ -182,8 +238,15 @@ class FolderPair:
         has no room, the file goes to the fallback with a warning (unless
         ``warn`` is false: a worker leaves the warning to its parent); when
         neither has, :class:`SharedMemoryFullError` names the sizes.
+        With ``in_memory``, a memfd is tried first; the path returned is then
+        ``/proc/<pid>/fd/<n>``, and :func:`delete_file` closes it.
         """
         attempts = [self.primary] + ([self.fallback] if self.fallback else [])
+        if self.in_memory:
+            created = _create_memfd(nbytes, prefix)
+            if created is not None:
+                return created
+            attempts = attempts[1:] if self.fallback else attempts  # shared memory is what memfds are
         for folder in attempts:
             created = _create_reserved(folder, nbytes, prefix)
             if created is not None:
@@ -197,6 +260,35 @@ class FolderPair:
             f"room (docker run --shm-size=...), point {ENV_TEMP_FOLDER} at a larger folder, "
             "or raise max_nbytes / pass max_nbytes=None to pickle arrays instead",
         )
+
+
+#: errno values of memfd_create or its reservation that leave named files to try:
+#: no room (RAM or the memory cgroup), or no descriptor left in this process.
+_MEMFD_FALLBACK_ERRNOS = NO_ROOM_ERRNOS + (errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+
+
+def _create_memfd(nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
+    """A new memfd with ``nbytes`` reserved (see :meth:`FolderPair.create_file`); None to fall back."""
+    try:
+        path, fd = _memfd.create(prefix)
+    except OSError as exc:
+        if exc.errno in _MEMFD_FALLBACK_ERRNOS:
+            return None
+        raise
+    try:
+        if nbytes > 0:
+            reserve(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        _memfd.release(path)
+        if exc.errno in _MEMFD_FALLBACK_ERRNOS:
+            return None
+        raise
+    except BaseException:
+        os.close(fd)
+        _memfd.release(path)
+        raise
+    return path, fd
 
 
 def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
@@ -335,13 +427,17 @@ class TempFolder:
     file; :meth:`remove` is idempotent and safe to call from any thread.
     """
 
-    def __init__(self, base: Optional[str] = None) -> None:
-        primary_base, _ = default_base(base)
+    def __init__(self, base: Optional[str] = None, location: Optional[Location] = None) -> None:
+        """``location`` (from :func:`choose_location`) wins over ``base`` (an explicit temp folder)."""
+        location = location or choose_location(base)
+        primary_base = location.base
         name = new_folder_name(Owner.current())
         fallback = fallback_base(primary_base)
+        self.location = location
         self.pair = FolderPair(
             os.path.join(primary_base, name),
             os.path.join(fallback, name + "-disk") if fallback else None,
+            location.in_memory,
         )
         paths = [p for p in (self.pair.primary, self.pair.fallback) if p]
         with _state.lock:

@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from . import _forksafe
+from . import _forksafe, _memfd
 from ._refs import USER, ArrayRef, file_identity, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
@@ -39,13 +39,23 @@ def _check_ref(ref: ArrayRef) -> None:
 
 
 def map_file(ref: ArrayRef) -> np.memmap:
-    """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap``."""
+    """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap``.
+
+    A memfd's ``/proc/<pid>/fd/<n>`` path is a magic link, which
+    ``O_NOFOLLOW`` would refuse: it is opened plainly, and what was opened is
+    checked instead (its identity, and for memshare's own files the kind its
+    link names).
+    """
     _check_ref(ref)
-    fd = os.open(ref.path, _OPEN_FLAGS[ref.mode] | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    memfd = _memfd.is_memfd_path(ref.path)
+    flags = _OPEN_FLAGS[ref.mode] | getattr(os, "O_CLOEXEC", 0) | (0 if memfd else getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(ref.path, flags)
     with open(fd, "rb" if ref.mode != "r+" else "r+b") as handle:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or not ref.is_file(info):
             raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
+        if memfd and ref.kind != USER and _memfd.kind_of_descriptor(fd) != ref.kind:
+            raise PermissionError(f"memshare: refusing to map {ref.path!r}: not a memshare {ref.kind} memfd")
         base = np.memmap(handle, dtype=np.uint8, mode=ref.mode)
     base.filename = ref.path  # np.memmap leaves it unset for file objects
     return base

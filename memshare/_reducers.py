@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import cloudpickle
 import numpy as np
 
-from ._folders import FolderPair, unlink_quietly
+from ._folders import FolderPair, delete_file, unlink_quietly
 from ._mapping import array_from_ref, map_file
 from ._refs import RESULT, ArrayRef
 from ._release import can_release
@@ -331,7 +331,7 @@ class ResultPolicy:
         self._held.clear()
         self.slots.clear()
         for path in self._written:
-            unlink_quietly(path)
+            delete_file(path)
         self._written.clear()
 
 

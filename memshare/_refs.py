@@ -18,6 +18,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from . import _memfd
 from ._owners import parse_folder_name
 
 #: What the file behind a reference is, which decides its lifetime and how
@@ -95,7 +96,14 @@ def is_copy_on_write(array: np.ndarray) -> bool:
 
 
 def kind_of_path(path: str) -> str:
-    """Classify a file by its name: memshare's own files carry their kind."""
+    """Classify a file by its name: memshare's own files carry their kind.
+
+    A memfd's ``/proc/<pid>/fd/<n>`` path is classified by the name its link
+    shows (``/memfd:memshare-<kind>-...``).
+    """
+    if _memfd.is_memfd_path(path):
+        kind = _memfd.kind_of(path)
+        return kind if kind in (DUMP, RESULT, SHARED) else USER
     folder, name = os.path.split(path)
     owner_folder = os.path.basename(folder)
     if parse_folder_name(owner_folder) is None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._dumping import file_order, file_reference, iter_pieces, write_range
 from ._errors import SharedMemoryFullError
-from ._folders import NO_ROOM_ERRNOS, FolderPair, reserve
+from ._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, reserve
 from ._refs import RESULT, ArrayRef, file_identity
 from ._release import release_pages
 
@@ -92,19 +92,19 @@ def fill_result_file(
                         old_fd, old_path = fd, ref.path
                         fd, ref = moved_fd, moved
                         os.close(old_fd)
-                        os.unlink(old_path)
+                        delete_file(old_path)
                         write_range(fd, piece)
             if release and address is not None:
                 release_pages(address, len(piece))
             written += len(piece)
     except BaseException:
         if ref is not first:
-            os.unlink(ref.path)
+            delete_file(ref.path)
         raise
     finally:
         os.close(fd)
     if copy is not None:
-        os.unlink(ref.path)  # no move succeeded: this is the first file, holding the copied pieces
+        delete_file(ref.path)  # no move succeeded: this is the first file, holding the copied pieces
         return np.ndarray(ref.shape, ref.dtype, buffer=copy, offset=0, strides=ref.strides)
     return ref
 
@@ -140,7 +140,7 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
         device, inode = file_identity(os.fstat(new_fd))
     except BaseException:
         os.close(new_fd)
-        os.unlink(path)
+        delete_file(path)
         raise
     return new_fd, dataclasses.replace(ref, path=path, device=device, inode=inode)
 

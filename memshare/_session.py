@@ -35,6 +35,7 @@ Early deletion
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -49,7 +50,7 @@ from . import _forksafe
 from ._config import Settings
 from ._dumping import dump_array, row_slabs
 from ._errors import UnpicklableArgumentError
-from ._folders import TempFolder, unlink_quietly, warn_fallback, warn_result_pickled
+from ._folders import TempFolder, delete_file, warn_fallback, warn_result_pickled
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._protocol import Outcome, Task, restore
@@ -111,7 +112,8 @@ class Session:
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
         self._closed = False
-        self._results = ResultSpec(self.folder.pair, settings.max_nbytes)
+        # Results are named files for now, even when dumps are memfds.
+        self._results = ResultSpec(dataclasses.replace(self.folder.pair, in_memory=False), settings.max_nbytes)
 
     # -- calls ---------------------------------------------------------------
 
@@ -167,7 +169,7 @@ class Session:
         self.task_done(outcome.token)
         files, by_value = outcome.result_files(), outcome.by_value()
         pair = self.folder.pair
-        on_disk = [ref.nbytes for ref in files if os.path.dirname(ref.path) == pair.fallback]
+        on_disk = [ref.nbytes for ref in files if pair.is_fallback(ref.path)]
         self.stats.add(
             results_by_reference=len(files),
             bytes_results_by_reference=sum(ref.nbytes for ref in files),
@@ -242,7 +244,7 @@ class Session:
             entry.ref, entry.generation = ref, self._generation
             self._by_path[ref.path] = entry
             self.stats.add(arrays_dumped=1, bytes_dumped=array.nbytes, dump_seconds=seconds)
-            if not self.folder.pair.primary == os.path.dirname(ref.path):
+            if self.folder.pair.is_fallback(ref.path):
                 self.stats.add(fallback_files=1)
             log_decision(DUMPED, array, ref.path, seconds)
         self._use(entry, record)
@@ -321,7 +323,7 @@ class Session:
         self._by_path.pop(entry.ref.path, None)
         self._idle.pop(entry.ref.path, None)
         entry.parent_view = None
-        unlink_quietly(entry.ref.path)
+        delete_file(entry.ref.path)
         entry.ref = None
 
     def _check_open(self) -> None:
@@ -336,6 +338,8 @@ class Session:
             self._closed = True
             for entry in list(self._by_path.values()):
                 entry.parent_view = None
+                delete_file(entry.ref.path)  # a memfd is closed here; named files also go with the folder
+                entry.ref = None
             self._by_array.clear()
             self._by_path.clear()
             self._idle.clear()

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _forksafe
 from ._dumping import contiguous_strides, dump_array, file_reference
-from ._folders import TempFolder, default_base, unlink_quietly
+from ._folders import Location, TempFolder, choose_location, delete_file
 from ._mapping import map_file
 from ._refs import SHARED, ArrayRef
 
@@ -33,18 +33,18 @@ class _SharedStore:
         self.lock = _forksafe.lock()
         # One folder per location, so that a changed MEMSHARE_TEMP_FOLDER
         # takes effect for arrays made afterwards.
-        self.folders: Dict[str, TempFolder] = {}
+        self.folders: Dict[Location, TempFolder] = {}
         self.bases: Dict[str, Tuple[int, weakref.ref]] = {}  # path -> (inode, mapping)
 
     def new_array(
         self, shape: Tuple[int, ...], dtype: np.dtype, order: str, source: Optional[np.ndarray]
     ) -> np.ndarray:
         """A new shared array; filled from ``source`` when given, else zeroed."""
-        base, _ = default_base()
+        location = choose_location()
         with self.lock:
-            if base not in self.folders:
-                self.folders[base] = TempFolder(base)
-            pair = self.folders[base].pair
+            if location not in self.folders:
+                self.folders[location] = TempFolder(location=location)
+            pair = self.folders[location].pair
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if source is not None and nbytes:
             ref, _ = dump_array(pair, source, SHARED, "r+", order)  # no copy when already in order
@@ -57,8 +57,9 @@ class _SharedStore:
             finally:
                 os.close(fd)
         base = map_file(ref)
-        # Deleting the name when the mapping dies frees the memory as soon as
-        # the last view is gone (workers drop theirs when they see it gone).
+        # Deleting the file (a memfd: closing it) when the mapping dies frees the
+        # memory as soon as the last view is gone (workers drop theirs when they
+        # see it gone).
         weakref.finalize(base, self._forget, ref.path, ref.inode)
         with self.lock:
             self.bases[ref.path] = (ref.inode, weakref.ref(base))
@@ -80,11 +81,11 @@ class _SharedStore:
         return array
 
     def _forget(self, path: str, inode: int) -> None:
-        """Finalizer of a mapping: delete its file's name and its entry."""
+        """Finalizer of a mapping: delete its file and its entry."""
         with self.lock:
             if self.bases.get(path, (None,))[0] == inode:
                 del self.bases[path]
-        unlink_quietly(path)
+        delete_file(path)
 
 
 _store = _SharedStore()

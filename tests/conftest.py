@@ -154,3 +154,47 @@ def unwritable_dir(tmp_path):
         yield path, OSError, errno.EROFS
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def memfds_held(pid="self") -> list:
+    """The link targets of the memshare memfds process ``pid`` holds open (one entry per descriptor)."""
+    found = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:memshare-"):
+            found.append(target)
+    return found
+
+
+def run_with_private_mounts(code: str, mounts: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter inside a private mount namespace with tmpfs ``mounts`` (path -> options).
+
+    Mounts made there are invisible to the rest of the machine and vanish with
+    the process. Root only (CI runs as root): skips elsewhere, saying why.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs in a private mount namespace needs root (CI runs as root)")
+    if shutil.which("unshare") is None:
+        pytest.skip("util-linux's unshare is not installed")
+    commands = [f"mount -t tmpfs -o {options} tmpfs {path}" for path, options in mounts.items()]
+    shell = " && ".join(commands + ['exec "$0" -c "$1"'])
+    env = dict(os.environ, TMPDIR="/tmp")
+    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD"):
+        env.pop(name, None)
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -m not permitted here: {probe.stderr.decode(errors='replace').strip()}")
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", shell, sys.executable, textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

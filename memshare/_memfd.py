@@ -1,0 +1,239 @@
+"""Nameless shared memory: ``memfd_create`` files, held by descriptors, reached through ``/proc``.
+
+On Linux, memshare's files are memfds by default: memory that needs neither
+room in a mounted file system (Docker's 64 MB ``/dev/shm``, a read-only
+``/tmp``) nor a name, and that the kernel frees when the last descriptor and
+mapping go. Nothing can leak: when every process of a run is killed at once
+(a container's OOM kill, ``kill -9`` of the process group), their memory goes
+with them, with no watchdog.
+
+The owner keeps each memfd open for as long as the file lives; this module
+is the registry of those descriptors (:func:`create`, :func:`release`).
+"Deleting" such a file is closing its descriptor. Another process of the same
+user opens it through ``/proc/<owner pid>/fd/<n>``: a plain ``open()`` that
+needs ptrace read access, which same-user processes have (Yama restricts
+only attaching). That path is what an ``ArrayRef`` carries. It is a magic
+link, so ``O_NOFOLLOW`` cannot be used on it: whoever opens one checks the
+file's identity (device, inode) afterwards, and that its link names a
+memshare memfd of the right kind (:func:`kind_of`), whose name shows as
+``/memfd:memshare-<kind>-<random> (deleted)``.
+
+Whether this works is probed once per process (:func:`decision`), never
+guessed: ``/proc`` may be hidden, ``memfd_create`` missing, or another
+process refused the open. Then memshare uses named files, as it always did.
+
+A forked child closes the descriptors it inherited: it owns none of these
+files, and its copies would keep the parent's memory alive for as long as
+the child lives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from . import _forksafe
+from ._stats import logger
+
+#: Environment variable that turns memfds off ("0"), keeping named files.
+ENV_MEMFD = "MEMSHARE_MEMFD"
+NAME_PREFIX = "memshare-"
+_LINK_PATTERN = re.compile(r"^/memfd:memshare-([a-z]+)-[0-9a-f]{16} \(deleted\)$")
+_PROC_FD_PATTERN = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
+#: The child of the probe opens the path it is given and prints what it opened.
+_PROBE_CHILD = "import os,sys;s=os.fstat(os.open(sys.argv[1],os.O_RDONLY));print(s.st_dev,s.st_ino)"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether this process shares through memfds, and why (one line for the log and the doctor)."""
+
+    in_memory: bool
+    reason: str
+    seconds: float = 0.0  # what the probe took
+
+
+class _Registry:
+    """The memfds this process owns: path -> descriptor.
+
+    Per process because descriptors are; emptied in a forked child (see the
+    module docstring). The decision is kept in a child: it holds for the
+    same machine, user and mounts.
+    """
+
+    def __init__(self) -> None:
+        self.lock = _forksafe.lock()
+        self.fds: Dict[str, int] = {}
+        self.decision: Optional[Decision] = None
+
+    def after_fork_in_child(self) -> None:
+        self.lock = _forksafe.lock()
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+
+
+_registry = _Registry()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_registry.after_fork_in_child)
+
+
+def decision() -> Decision:
+    """Whether memfds work here, probed on the first call in this process."""
+    with _registry.lock:
+        if _registry.decision is None:
+            started = time.perf_counter()
+            in_memory, reason = _probe()
+            _registry.decision = Decision(in_memory, reason, time.perf_counter() - started)
+            # One line in the decision log per process: which mechanism, and why.
+            if in_memory:
+                logger.debug("memshare: shared memory is memfds: %s", reason)
+            else:
+                logger.info("memshare: shared memory is named files (memfds unusable): %s", reason)
+        return _registry.decision
+
+
+def _probe() -> Tuple[bool, str]:
+    """(works, why): try what sharing needs, end to end, once."""
+    switch = os.environ.get(ENV_MEMFD, "").strip().lower()
+    if switch in ("0", "no", "false", "off"):
+        return False, f"{ENV_MEMFD}={switch} turns memfds off"
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return False, "memfd_create is not available (Linux only, Python 3.8+)"
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return False, "/proc is not mounted or hidden, so workers could not open memfds"
+    try:
+        fd = os.memfd_create(f"{NAME_PREFIX}probe-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
+    except OSError as exc:
+        return False, f"memfd_create failed: {exc}"
+    try:
+        info = os.fstat(fd)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        try:
+            child = subprocess.run(
+                [sys.executable, "-I", "-S", "-c", _PROBE_CHILD, path],
+                capture_output=True,
+                timeout=60,
+                close_fds=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return False, f"could not start a process to check that memfds can be opened: {exc}"
+        if child.stdout.split() != [str(info.st_dev).encode(), str(info.st_ino).encode()]:
+            last = (child.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+            return False, f"another process could not open a memfd through {path}: {last}"
+    finally:
+        os.close(fd)
+    return True, "memfd_create works and another process opened a memfd through /proc/<pid>/fd"
+
+
+def set_decision_for_tests(in_memory: bool, reason: str) -> None:
+    """Replace this process's decision (tests of the fallback use it)."""
+    with _registry.lock:
+        _registry.decision = Decision(in_memory, reason)
+
+
+def create(kind: str) -> Tuple[str, int]:
+    """A new empty 0600 memfd of ``kind``, held by this process: (its ``/proc`` path, a descriptor for the caller).
+
+    The caller closes the descriptor it gets, as for a named file; the file
+    lives until :func:`release` closes the one kept here.
+    """
+    kept = os.memfd_create(f"{NAME_PREFIX}{kind}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(kept, 0o600)
+        fd = os.dup(kept)
+    except BaseException:
+        os.close(kept)
+        raise
+    path = f"/proc/{os.getpid()}/fd/{kept}"
+    with _registry.lock:
+        _registry.fds[path] = kept
+    return path, fd
+
+
+def release(path: str) -> bool:
+    """Close this process's memfd at ``path``: the file is gone once no mapping or other descriptor holds it.
+
+    True when ``path`` is a memfd path (whether this process held it or not:
+    nobody may unlink a ``/proc`` path); False for a named file.
+    """
+    if not is_memfd_path(path):
+        return False
+    with _registry.lock:
+        fd = _registry.fds.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+    return True
+
+
+def held_paths() -> List[str]:
+    """The paths of the memfds this process holds."""
+    with _registry.lock:
+        return list(_registry.fds)
+
+
+def is_memfd_path(path: str) -> bool:
+    """True for a ``/proc/<pid>/fd/<n>`` path, which memshare uses for memfds only."""
+    return isinstance(path, str) and _PROC_FD_PATTERN.match(path) is not None
+
+
+def kind_of(path: str) -> Optional[str]:
+    """The kind (``dump``, ``result``, ``shared``) of the memshare memfd at the ``/proc`` path ``path``, else None."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    match = _LINK_PATTERN.match(target)
+    return match.group(1) if match else None
+
+
+def kind_of_descriptor(fd: int) -> Optional[str]:
+    """:func:`kind_of` for a descriptor this process opened: no race with the path being reused."""
+    return kind_of(f"/proc/self/fd/{fd}")
+
+
+@dataclass(frozen=True)
+class LiveMemfd:
+    """A memshare memfd some process holds open (what the doctor lists)."""
+
+    pid: int
+    kind: str
+    nbytes: int
+
+
+def live_memfds() -> List[LiveMemfd]:
+    """Every memshare memfd that a process of this user holds open, once per process and file."""
+    found: List[LiveMemfd] = []
+    try:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return found
+    for pid in sorted(pids):
+        seen = set()
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            kind = kind_of(path)
+            if kind is None:
+                continue
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            if info.st_uid != os.geteuid() or (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            found.append(LiveMemfd(pid, kind, info.st_blocks * 512))
+    return found

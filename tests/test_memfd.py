@@ -1,0 +1,369 @@
+"""Nameless shared memory (memfd): the default on Linux, its fallback, crashes and small or read-only mounts."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import memfds_held, memshare_entries, run_script, run_with_private_mounts, wait_until
+
+import memshare
+from memshare import Parallel, _memfd, delayed
+from memshare._folders import FolderPair, choose_location, delete_file
+from memshare._mapping import MappingCache, map_file
+from memshare._refs import DUMP, SHARED, ArrayRef
+
+MIB = 1024**2
+
+pytestmark = pytest.mark.skipif(
+    not _memfd.decision().in_memory, reason=f"memfds are not usable here: {_memfd.decision().reason}"
+)
+
+
+@pytest.fixture
+def default_location(monkeypatch):
+    """No folder chosen by the user: memshare picks its mechanism itself."""
+    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def where_is(X):
+    return X.filename, float(X.sum())
+
+
+def fill_row(out, i):
+    out[i] = i
+
+
+def test_dumps_and_shared_arrays_are_memfds_held_by_the_parent(default_location):
+    gc.collect()
+    before = len(memfds_held())
+    X = np.arange(1_000_000, dtype=np.float64)
+    paths = Parallel(n_jobs=2, max_nbytes="1K")(delayed(where_is)(X) for _ in range(2))
+    assert {path for path, _ in paths} == {paths[0][0]}
+    assert paths[0][0].startswith(f"/proc/{os.getpid()}/fd/") and paths[0][1] == X.sum()
+    assert memshare.last_call_stats()["arrays_dumped"] == 1
+    assert len(memfds_held()) == before  # the call closed its dump
+
+    out = memshare.zeros((8, 1000))
+    assert memshare.is_shared(out)
+    assert [t for t in memfds_held() if t.startswith("/memfd:memshare-shared-")]
+    Parallel(n_jobs=2)(delayed(fill_row)(out, i) for i in range(8))
+    assert out[:, 0].tolist() == list(range(8))
+    del out
+    gc.collect()
+    assert len(memfds_held()) == before
+
+
+def test_explicit_temp_folder_keeps_named_files(shm_dir):
+    assert not choose_location().in_memory
+    X = np.arange(1_000_000, dtype=np.float64)
+    path, total = Parallel(n_jobs=2, max_nbytes="1K")(delayed(where_is)(X) for _ in range(1))[0]
+    assert path.startswith(str(shm_dir)) and total == X.sum()
+    assert not choose_location(str(shm_dir)).in_memory
+
+
+def test_no_working_probe_means_named_files_and_the_log_says_why(tmp_path):
+    script = """
+        import numpy as np
+        from memshare import Parallel, delayed, _memfd
+        {patch}
+        def where(X):
+            return X.filename
+        X = np.ones(100_000)
+        print("PATH", Parallel(n_jobs=2, max_nbytes="1K")(delayed(where)(X) for _ in range(1))[0])
+    """
+    switched = run_script(script.format(patch=""), env={"MEMSHARE_MEMFD": "0", "MEMSHARE_DEBUG": "1"})
+    assert "PATH /dev/shm/memshare-" in switched.stdout or f"PATH {tempfile.gettempdir()}" in switched.stdout
+    assert "shared memory is named files (memfds unusable): MEMSHARE_MEMFD=0 turns memfds off" in switched.stderr
+    # The probe's other process cannot open the memfd: named files, and the log quotes its error.
+    refused = run_script(
+        script.format(patch="_memfd._PROBE_CHILD = 'import sys; sys.exit(\"open: Permission denied\")'"),
+        env={"MEMSHARE_DEBUG": "1"},
+    )
+    assert "PATH /proc/" not in refused.stdout
+    assert "another process could not open a memfd through /proc/" in refused.stderr
+    assert "open: Permission denied" in refused.stderr
+
+
+def test_pair_creates_and_deletes_memfds_for_any_caller():
+    """One create/delete pair for both mechanisms: what a dump uses, anything else can use."""
+    pair = FolderPair("/nonexistent/memshare-never-made", None, in_memory=True)
+    path, fd = pair.create_file(3 * 4096, "dump")
+    try:
+        assert path == f"/proc/{os.getpid()}/fd/{_memfd_number(path)}" and path in _memfd.held_paths()
+        assert os.fstat(fd).st_size == 3 * 4096 and os.fstat(fd).st_mode & 0o777 == 0o600
+        os.write(fd, b"\x01" * 4096)
+    finally:
+        os.close(fd)
+    mapped = np.memmap(path, mode="r", dtype=np.uint8)  # the caller's own descriptor is closed: the file lives
+    assert mapped[:4096].sum() == 4096 and mapped[4096:].sum() == 0
+    delete_file(path)
+    assert path not in _memfd.held_paths() and not os.path.exists(path)
+    assert mapped[0] == 1  # a mapping keeps the memory, as with an unlinked file
+    delete_file(path)  # twice is no error
+
+
+def _memfd_number(path):
+    return int(path.rsplit("/", 1)[1])
+
+
+def _dump_ref(path, fd, nbytes):
+    info = os.fstat(fd)
+    return ArrayRef(path, info.st_dev, info.st_ino, DUMP, "r", 0, (nbytes,), (1,), np.dtype(np.uint8))
+
+
+def test_worker_cache_drops_closed_and_reused_memfds():
+    pair = FolderPair("/nonexistent/memshare-never-made", None, in_memory=True)
+    cache = MappingCache()
+    path, fd = pair.create_file(4096, "dump")
+    ref = _dump_ref(path, fd, 4096)
+    os.close(fd)
+    assert cache.array(ref).sum() == 0
+    delete_file(path)  # the owner closes it: the path no longer stats
+    cache.prune()
+    assert cache._bases == {}
+
+    path, fd = pair.create_file(4096, "dump")
+    ref = _dump_ref(path, fd, 4096)
+    os.close(fd)
+    cache.array(ref)
+    delete_file(path)
+    reused, fd = pair.create_file(4096, "dump")  # the lowest free number: most likely the same
+    os.close(fd)
+    try:
+        assert os.path.exists(path) == (reused == path)
+        cache.prune()  # same path or none at all: either way another inode
+        assert cache._bases == {}
+    finally:
+        delete_file(reused)
+
+
+def test_a_proc_path_must_name_a_memshare_memfd_of_its_kind(tmp_path):
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"\0" * 4096)
+    fd = os.open(plain, os.O_RDONLY)
+    try:
+        with pytest.raises(PermissionError, match="not a memshare dump"):
+            map_file(_dump_ref(f"/proc/{os.getpid()}/fd/{fd}", fd, 4096))
+    finally:
+        os.close(fd)
+    pair = FolderPair("/nonexistent/memshare-never-made", None, in_memory=True)
+    path, fd = pair.create_file(4096, "shared")
+    try:
+        with pytest.raises(PermissionError, match="not a memshare dump"):
+            map_file(_dump_ref(path, fd, 4096))
+        info = os.fstat(fd)
+        shared = ArrayRef(path, info.st_dev, info.st_ino, SHARED, "r", 0, (4096,), (1,), np.dtype(np.uint8))
+        assert map_file(shared).sum() == 0
+    finally:
+        os.close(fd)
+        delete_file(path)
+
+
+def test_a_forked_child_closes_the_memfds_it_inherited():
+    result = run_script(
+        """
+        import os, sys
+        sys.path.insert(0, os.environ["TESTS_DIR"])
+        from conftest import memfds_held
+        import memshare
+        from memshare import _memfd
+        a = memshare.zeros(1000)
+        kept = _memfd.held_paths()[0].replace(f"/proc/{os.getpid()}/", "/proc/self/")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                # The mapping's own descriptor (mmap keeps one) is inherited with the mapping.
+                ok = not _memfd.held_paths() and not os.path.exists(kept) and len(memfds_held()) == 1
+                a[0] = 7  # the mapping itself is inherited and shared
+                os.write(w, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        print("CHILD", os.read(r, 1).decode(), "PARENT", len(_memfd.held_paths()), a[0])
+        """,
+        timeout=60,
+        env={"TESTS_DIR": os.path.dirname(__file__)},
+    )
+    assert "CHILD 1 PARENT 1 7.0" in result.stdout
+
+
+def _shmem_bytes():
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+def _descendants(root):
+    """``root`` and every process below it, whatever session they moved to."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+KILLED_RUN = """
+    import os, sys, time
+    import numpy as np
+    from memshare import Parallel, delayed
+
+    def wait_mid_call(X, flags):
+        open(os.path.join(flags, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    X = np.ones(512 * 2**20 // 8)
+    Parallel(n_jobs=2)(delayed(wait_mid_call)(X, sys.argv[1]) for _ in range(2))
+"""
+
+
+def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_location):
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    baseline = _shmem_bytes()
+    run = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(flags)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert wait_until(lambda: len(os.listdir(flags)) == 2 or run.poll() is not None, 120), "workers never started"
+        assert run.poll() is None, run.stderr.read().decode()
+        assert _shmem_bytes() >= baseline + 400 * MIB  # the 512 MiB are shared memory now
+        processes = _descendants(run.pid)
+        assert len(processes) >= 3  # the parent and its two workers at least
+    finally:
+        for pid in _descendants(run.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.wait()
+        run.stderr.close()
+    # Other processes of the machine may hold shared memory too: allow them a margin far below the 512 MiB.
+    assert wait_until(lambda: _shmem_bytes() <= baseline + 128 * MIB, 2.0), (baseline, _shmem_bytes())
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in processes), 10)
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        assert [name for name, _ in memshare_entries(base) if int(name.split("-")[1]) in processes] == []
+
+
+SMALL_MOUNTS_RUN = """
+    import os, warnings
+    import numpy as np
+    import memshare
+    from memshare import Parallel, delayed
+
+    def chunk_sum(X, i):
+        return float(X[i].sum())
+
+    X = np.ones((64, 512 * 2**20 // 8 // 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sums = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(64))
+    stats = memshare.last_call_stats()
+    assert sums == [float(X.shape[1])] * 64, sums
+    print("DUMPED", stats["arrays_dumped"], stats["bytes_dumped"] // 2**20, "FALLBACK", stats["fallback_files"])
+    print("LEFT", sorted(os.listdir("/dev/shm")), sorted(os.listdir("/tmp")))
+"""
+
+
+def test_a_64_mb_shm_and_temp_dir_change_nothing():
+    result = run_with_private_mounts(SMALL_MOUNTS_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"})
+    assert result.returncode == 0, result.stderr
+    assert "DUMPED 1 512 FALLBACK 0" in result.stdout
+    assert "LEFT [] []" in result.stdout or _only_loky_semaphores(result.stdout)
+    assert "Warning" not in result.stderr
+
+
+def _only_loky_semaphores(stdout):
+    line = next(line for line in stdout.splitlines() if line.startswith("LEFT"))
+    return "memshare" not in line
+
+
+READ_ONLY_RUN = """
+    import ctypes, os
+    import numpy as np
+    import memshare
+    from memshare import MemmappingPool, Parallel, delayed
+
+    def chunk_sum(X, i):
+        return float(X[i].sum()), X.filename
+
+    def read_only(path):
+        # Over the writable mounts: the workers and their semaphores, which need a
+        # writable /dev/shm (multiprocessing's, not memshare's), exist already.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1, b"size=1m") != 0:
+            raise OSError(ctypes.get_errno(), "mount")
+
+    X = np.ones((8, 2**20))
+    Parallel(n_jobs=2)(delayed(chunk_sum)(X, 0) for _ in range(2))
+    with MemmappingPool(2) as pool:
+        pool.starmap(chunk_sum, [(X, 0)])
+        read_only("/dev/shm"); read_only("/tmp")
+        for path in ("/dev/shm/x", "/tmp/x"):
+            try:
+                open(path, "w")
+            except OSError as exc:
+                print("READ-ONLY", path, exc.errno)
+        pooled = pool.starmap(chunk_sum, [(X, i) for i in range(8)])
+    ours = f"/proc/{os.getpid()}/fd/"
+    print("POOL", pooled[0][0], pooled[0][1].startswith(ours), memshare.last_call_stats()["arrays_dumped"])
+    called = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(8))
+    print("JOBLIB", called[0][0], called[0][1].startswith(ours), memshare.last_call_stats()["arrays_dumped"])
+"""
+
+
+def test_read_only_shm_and_temp_dir_still_share_through_memory():
+    result = run_with_private_mounts(READ_ONLY_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"})
+    assert result.returncode == 0, result.stderr
+    assert "READ-ONLY /dev/shm/x 30" in result.stdout and "READ-ONLY /tmp/x 30" in result.stdout
+    assert f"POOL {float(2**20)} True 1" in result.stdout
+    assert f"JOBLIB {float(2**20)} True 1" in result.stdout
+
+
+def _doctor(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "memshare", "doctor", *args], env=full_env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_doctor_names_the_mechanism_and_lists_live_memfds_by_owner():
+    shared = memshare.zeros(3 * MIB // 8)
+    report = _doctor()
+    assert "Mechanism\n  memfds: memfd_create works" in report.stdout
+    owner_line = next(line for line in report.stdout.splitlines() if line.startswith(f"  pid {os.getpid()}:"))
+    assert "shared" in owner_line and "3.0 MiB" in owner_line
+    del shared
+    switched = _doctor(env={"MEMSHARE_MEMFD": "0"})
+    assert "Mechanism\n  named files in " in switched.stdout and "MEMSHARE_MEMFD=0 turns memfds off" in switched.stdout
+
+
+def test_doctor_with_memfds_notes_a_small_shm_instead_of_failing(small_tmpfs):
+    report = _doctor("--shm", str(small_tmpfs))
+    assert report.returncode == 0, report.stdout
+    assert "NOTE: " in report.stdout and "is only 64.0 MiB" in report.stdout
+    assert "OK: memshare can share arrays through memfds" in report.stdout
