@@ -196,6 +196,18 @@ def _unusable_base(exc: OSError, base: str) -> OSError:
     )
 
 
+def open_for_writing(path: str) -> int:
+    """A read-write descriptor of a file this process made with :meth:`FolderPair.create_file`.
+
+    A memfd is duplicated from the descriptor that holds it (its ``/proc``
+    path is a magic link, which ``O_NOFOLLOW`` refuses); a named file is
+    opened with ``O_NOFOLLOW``, so a symlink planted at its path is refused.
+    """
+    if _memfd.is_memfd_path(path):
+        return _memfd.duplicate(path)
+    return os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
 @dataclass(frozen=True)
 class FolderPair:
     """The paths of one folder and of its disk fallback: plain, picklable data.

@@ -175,6 +175,18 @@ def release(path: str) -> bool:
     return True
 
 
+def duplicate(path: str) -> int:
+    """A new descriptor of this process's memfd at ``path`` (the caller closes it).
+
+    Raises FileNotFoundError when this process does not hold it (any more).
+    """
+    with _registry.lock:
+        fd = _registry.fds.get(path)
+        if fd is None:
+            raise FileNotFoundError(f"memshare: this process holds no memfd at {path!r}")
+        return os.dup(fd)
+
+
 def held_paths() -> List[str]:
     """The paths of the memfds this process holds."""
     with _registry.lock:

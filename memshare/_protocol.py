@@ -12,12 +12,12 @@ traceback (:func:`restore`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from ._errors import RemoteTraceback
-from ._reducers import ResultSpec, Slot, unpack
+from ._reducers import Receive, ResultSpec, Slot, unpack
 from ._refs import RESULT, ArrayRef
 
 
@@ -63,10 +63,14 @@ class Failure:
     traceback: str
 
 
-def restore(outcome: Outcome) -> Tuple[bool, Any]:
-    """In the parent: (True, value) or (False, exception with remote traceback)."""
+def restore(outcome: Outcome, receive: Optional[Receive] = None) -> Tuple[bool, Any]:
+    """In the parent: (True, value) or (False, exception with remote traceback).
+
+    ``receive`` gives the descriptors of result memfds the worker passed
+    (see ``_handoff``), by (device, inode).
+    """
     try:
-        value = unpack(outcome.stream, outcome.slots)
+        value = unpack(outcome.stream, outcome.slots, receive)
     except BaseException as exc:
         return False, exc
     if outcome.ok:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import marshal
+import mmap
+import os
 import pickle
 import types
 from dataclasses import dataclass
@@ -35,9 +37,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import cloudpickle
 import numpy as np
 
+from . import _handoff, _memfd
 from ._folders import FolderPair, delete_file, unlink_quietly
 from ._mapping import array_from_ref, map_file
-from ._refs import RESULT, ArrayRef
+from ._refs import RESULT, SHARED, ArrayRef
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
 from ._routes import HAND_OVER, REFERENCE, RESULT_FILE, copied_route, result_route
@@ -151,36 +154,43 @@ def pack(
 #: user's own mapping to view), or the array itself when no file had room.
 Slot = Union[ArrayRef, np.ndarray]
 
+#: In the parent: the descriptor a worker passed for the memfd of (device, inode), or None (see ``_handoff``).
+Receive = Callable[[Tuple[int, int]], Optional[int]]
 
-def unpack(stream: bytes, slots: Sequence[Slot] = ()) -> Any:
-    """Unpickle a payload; ``slots`` says where the arrays it names by slot number are."""
+
+def unpack(stream: bytes, slots: Sequence[Slot] = (), receive: Optional[Receive] = None) -> Any:
+    """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
+
+    ``receive`` gives the descriptors of result memfds (see :func:`adopt_result`).
+    """
     if not slots:
         return pickle.loads(stream)
-    return _SlotUnpickler(io.BytesIO(stream), slots).load()
+    return _SlotUnpickler(io.BytesIO(stream), slots, receive).load()
 
 
 class _SlotUnpickler(pickle.Unpickler):
     """Loads each slot once, however often the stream names it: the same array comes back as one object."""
 
-    def __init__(self, file: io.BytesIO, slots: Sequence[Slot]) -> None:
+    def __init__(self, file: io.BytesIO, slots: Sequence[Slot], receive: Optional[Receive]) -> None:
         super().__init__(file)
         self._slots = slots
+        self._receive = receive
         self._loaded: Dict[int, np.ndarray] = {}
 
     def persistent_load(self, pid: Any) -> np.ndarray:
         if not isinstance(pid, int) or not 0 <= pid < len(self._slots):
             raise pickle.UnpicklingError(f"memshare: a result names slot {pid!r}, which the outcome does not have")
         if pid not in self._loaded:
-            self._loaded[pid] = _load_slot(self._slots[pid])
+            self._loaded[pid] = _load_slot(self._slots[pid], self._receive)
         return self._loaded[pid]
 
 
-def _load_slot(where: Slot) -> np.ndarray:
+def _load_slot(where: Slot, receive: Optional[Receive]) -> np.ndarray:
     """In the parent: the array of a result slot."""
     if isinstance(where, np.ndarray):
         return where  # no file had room: it came by value
     if where.kind == RESULT:
-        return adopt_result(where)
+        return adopt_result(where, receive)
     return _rebuild_reference(where)
 
 
@@ -202,16 +212,27 @@ def _owned_here(ref: ArrayRef) -> bool:
     return lookup_shared(ref) is not None
 
 
-def adopt_result(ref: ArrayRef) -> np.ndarray:
+def adopt_result(ref: ArrayRef, receive: Optional[Receive] = None) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
     From then on the memory lives exactly as long as the returned array (the
     mapping is its base); nothing is left on disk whatever happens next. The
     array is a plain, writable ``np.ndarray``: the mapping is shared but no
-    other process has the file any more.
+    other process has the file any more. A memfd result comes as the
+    descriptor the worker passed (``receive``), already checked against the
+    reference's (device, inode); the worker closed its own.
     """
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
+    if _memfd.is_memfd_path(ref.path):
+        fd = receive((ref.device, ref.inode)) if receive is not None else None
+        if fd is None:
+            raise FileNotFoundError(f"memshare: the memory of a {ref.nbytes}-byte result never arrived from its worker")
+        try:
+            raw = mmap.mmap(fd, os.fstat(fd).st_size)  # shared, read-write: the worker closed its descriptor
+        finally:
+            os.close(fd)
+        return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
     base = map_file(dataclasses.replace(ref, mode="r+"))
     unlink_quietly(ref.path)
     raw = base.base  # the mmap.mmap under the np.memmap: a plain ndarray over it is no memmap
@@ -229,6 +250,10 @@ class ResultSpec:
 
     folder: FolderPair
     max_nbytes: Optional[int]
+    #: The address of the parent's inbox for result memfds (``_handoff``), and the parent's pid;
+    #: None: results are named files.
+    inbox: Optional[str] = None
+    owner: int = 0
 
 
 class ResultPolicy:
@@ -248,7 +273,15 @@ class ResultPolicy:
     is written (see ``_release``).
 
     Records the files it made, so that they can be removed if anything fails.
+
+    Result memfds (when the spec has an inbox) are handed to the parent by
+    :meth:`send_memfds`, after :meth:`write_pending` and before the outcome
+    is returned; at most ``MEMFD_RESULTS_PER_TASK`` per task, so that a
+    task returning thousands of arrays cannot run the worker, or the
+    descriptors in flight, out of their limit (the rest are named files).
     """
+
+    MEMFD_RESULTS_PER_TASK = 128
 
     def __init__(self, spec: ResultSpec) -> None:
         self.spec = spec
@@ -261,6 +294,9 @@ class ResultPolicy:
         # (slot, reference, one-item list holding the array): the list is the only
         # reference memshare keeps, which _release.can_release relies on.
         self._pending: List[Tuple[int, ArrayRef, List[np.ndarray]]] = []
+        # Shared arrays of this worker handed over as memfds: descriptors opened for sending.
+        self._handed: List[int] = []
+        self._memfd_results = 0
 
     def slot_of(self, array: np.ndarray) -> Optional[int]:
         """The slot ``array`` travels in, or None to pickle it in the stream."""
@@ -280,11 +316,21 @@ class ResultPolicy:
             return self._new_slot(array, route.ref)
         if route.kind != RESULT_FILE:
             return None
-        ref = create_result_file(self.spec.folder, array)
+        ref = create_result_file(self._result_folder(), array)
         self._written.append(ref.path)
         slot = self._new_slot(array, None)
         self._pending.append((slot, ref, [array]))
         return slot
+
+    def _result_folder(self) -> FolderPair:
+        """Where the next result file goes: a memfd while the parent can take it and the cap allows."""
+        folder = self.spec.folder
+        if not folder.in_memory:
+            return folder
+        if self.spec.inbox is None or self._memfd_results >= self.MEMFD_RESULTS_PER_TASK:
+            return dataclasses.replace(folder, in_memory=False)
+        self._memfd_results += 1
+        return folder
 
     def _new_slot(self, array: np.ndarray, where: Optional[Slot]) -> int:
         self.slots.append(where)
@@ -305,19 +351,65 @@ class ResultPolicy:
         while pending:
             slot, ref, box = pending.pop()
             release = can_release(box)  # before box[0] is read again: that read is one more reference
-            final = fill_result_file(self.spec.folder, ref, box[0], release)
+            folder = self.spec.folder if _memfd.is_memfd_path(ref.path) else self._named_folder()
+            final = fill_result_file(folder, ref, box[0], release)
             box.clear()
             if isinstance(final, ArrayRef) and final.path != ref.path:
                 self._written.append(final.path)  # it moved to a new file
             self.slots[slot] = final
 
+    def _named_folder(self) -> FolderPair:
+        return dataclasses.replace(self.spec.folder, in_memory=False)
+
+    def send_memfds(self) -> None:
+        """Pass the parent the descriptors of every memfd in the slots, then close this worker's own.
+
+        Call it after :meth:`write_pending`, before returning the outcome, so
+        that they are queued at the parent when the outcome arrives. Raises
+        OSError when the parent's inbox is gone: the caller then discards
+        everything (:meth:`discard_written`).
+        """
+        ours = [s for s in self.slots if isinstance(s, ArrayRef) and s.path in self._written]
+        memfds = [s for s in ours if _memfd.is_memfd_path(s.path)]
+        if not memfds and not self._handed:
+            return
+        fds = [_memfd.duplicate(s.path) for s in memfds]
+        try:
+            identities = [(s.device, s.inode) for s in memfds]
+            handed = [(fd, _identity(fd)) for fd in self._handed]
+            _handoff.send(self.spec.inbox, self.spec.owner, list(zip(fds, identities)) + handed)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        # Queued at the parent now: its copies keep the memory, ours can go.
+        for ref in memfds:
+            delete_file(ref.path)
+            self._written.remove(ref.path)
+        self._close_handed()
+
+    def _close_handed(self) -> None:
+        for fd in self._handed:
+            os.close(fd)
+        self._handed.clear()
+
     def _hand_over(self, ref: ArrayRef) -> Optional[ArrayRef]:
         """Give the parent a shared array this worker allocated, with no copy.
 
-        The file gets a second name in the call's folder, which the parent
+        A memfd is passed to the parent (see :meth:`send_memfds`). A named
+        file gets a second name in the call's folder, which the parent
         adopts like any result file; the worker's own name goes when its
         array is garbage-collected. Both then map the same pages.
         """
+        if _memfd.is_memfd_path(ref.path):
+            if self.spec.inbox is None:
+                return None
+            if (ref.device, ref.inode) not in map(_identity, self._handed):  # two views of one array: one descriptor
+                fd = os.open(ref.path, os.O_RDWR | os.O_CLOEXEC)  # a magic link: checked after opening
+                if _identity(fd) != (ref.device, ref.inode) or _memfd.kind_of_descriptor(fd) != SHARED:
+                    os.close(fd)
+                    return None
+                self._handed.append(fd)
+            return dataclasses.replace(ref, kind=RESULT, mode="r+")
         path = self.spec.folder.link_file(ref.path, RESULT)
         if path is None:
             return None
@@ -330,9 +422,15 @@ class ResultPolicy:
         self._slot_by_id.clear()
         self._held.clear()
         self.slots.clear()
+        self._close_handed()
         for path in self._written:
             delete_file(path)
         self._written.clear()
+
+
+def _identity(fd: int) -> Tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def by_value(array: np.ndarray) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._dumping import file_order, file_reference, iter_pieces, write_range
 from ._errors import SharedMemoryFullError
-from ._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, reserve
+from ._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, open_for_writing, reserve
 from ._refs import RESULT, ArrayRef, file_identity
 from ._release import release_pages
 
@@ -66,7 +66,7 @@ def fill_result_file(
     result is a copy of ``array`` to send by value, and the file is gone.
     The caller removes ``ref``'s file on failure.
     """
-    fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_for_writing(ref.path)
     first = ref
     copy: Optional[np.ndarray] = None  # the result's bytes, once no file has room for them
     try:

@@ -51,13 +51,14 @@ from ._config import Settings
 from ._dumping import dump_array, row_slabs
 from ._errors import UnpicklableArgumentError
 from ._folders import TempFolder, delete_file, warn_fallback, warn_result_pickled
+from ._handoff import Inbox
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._protocol import Outcome, Task, restore
 from ._reducers import Reducers, Reduction, ResultSpec, input_reduction, pack
 from ._refs import DUMP, SHARED, ArrayRef
 from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, input_route, view_in_dump
-from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, record_finished
+from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, logger, record_finished
 
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
 _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
@@ -112,8 +113,23 @@ class Session:
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
         self._closed = False
-        # Results are named files for now, even when dumps are memfds.
-        self._results = ResultSpec(dataclasses.replace(self.folder.pair, in_memory=False), settings.max_nbytes)
+        self._inbox = self._open_inbox()
+        self._results = ResultSpec(
+            self.folder.pair if self._inbox else dataclasses.replace(self.folder.pair, in_memory=False),
+            settings.max_nbytes,
+            self._inbox.address if self._inbox else None,
+            os.getpid(),
+        )
+
+    def _open_inbox(self) -> Optional[Inbox]:
+        """Where workers pass result memfds (see ``_handoff``); None: results are named files."""
+        if not self.folder.pair.in_memory:
+            return None
+        try:
+            return Inbox()
+        except OSError as exc:
+            logger.info("memshare: results are named files, no socket to receive memfds on: %s", exc)
+            return None
 
     # -- calls ---------------------------------------------------------------
 
@@ -180,7 +196,32 @@ class Session:
             warn_fallback(pair.primary, pair.fallback, max(on_disk), stacklevel=2)
         if by_value:
             warn_result_pickled(pair, max(array.nbytes for array in by_value))
-        return restore(outcome)
+        if self._inbox is None:
+            return restore(outcome)
+        return self._restore_with_memfds(outcome, self._inbox)
+
+    def _restore_with_memfds(self, outcome: Outcome, inbox: Inbox) -> Tuple[bool, Any]:
+        """Restore ``outcome``, taking the result memfds its worker passed; close any left unclaimed.
+
+        Two slots may name one memfd (two views of a worker's shared array):
+        each gets its own descriptor of the one received.
+        """
+        claimed: Dict[Tuple[int, int], int] = {}
+
+        def receive(identity: Tuple[int, int]) -> Optional[int]:
+            if identity not in claimed:
+                fd = inbox.take(identity)
+                if fd is None:
+                    return None
+                claimed[identity] = fd
+            return os.dup(claimed[identity])
+
+        try:
+            return restore(outcome, receive)
+        finally:
+            for fd in claimed.values():
+                os.close(fd)
+            inbox.discard([(ref.device, ref.inode) for ref in outcome.result_files()])
 
     def task_done(self, token: int) -> None:
         """The task ``token`` will not read its inputs any more (done or abandoned)."""
@@ -345,6 +386,8 @@ class Session:
             self._idle.clear()
             self._seen.clear()
             self._tasks.clear()
+        if self._inbox is not None:
+            self._inbox.close()  # descriptors of outcomes never restored go with it
         self.folder.remove()
         record_finished(self.stats)
 

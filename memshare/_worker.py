@@ -49,6 +49,7 @@ def run_task(task: Task) -> Outcome:
         # large array, which lets write_pending free them as they are written.
         del value
         policy.write_pending()
+        policy.send_memfds()  # queued at the parent before the outcome can arrive
     except BaseException as exc:
         policy.discard_written()
         failure = Failure(_packing_error(exc, ok, what), traceback.format_exc())

@@ -13,10 +13,14 @@ import pytest
 from conftest import memfds_held, memshare_entries, run_script, run_with_private_mounts, wait_until
 
 import memshare
-from memshare import Parallel, _memfd, delayed
+from memshare import Parallel, _handoff, _memfd, delayed
+from memshare._config import Settings
 from memshare._folders import FolderPair, choose_location, delete_file
+from memshare._handoff import Inbox
 from memshare._mapping import MappingCache, map_file
 from memshare._refs import DUMP, SHARED, ArrayRef
+from memshare._session import Session
+from memshare._worker import run_task
 
 MIB = 1024**2
 
@@ -240,7 +244,6 @@ KILLED_RUN = """
 def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_location):
     flags = tmp_path / "flags"
     flags.mkdir()
-    baseline = _shmem_bytes()
     run = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(flags)],
         start_new_session=True,
@@ -250,9 +253,11 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
     try:
         assert wait_until(lambda: len(os.listdir(flags)) == 2 or run.poll() is not None, 120), "workers never started"
         assert run.poll() is None, run.stderr.read().decode()
-        assert _shmem_bytes() >= baseline + 400 * MIB  # the 512 MiB are shared memory now
+        held = [m for m in _memfd.live_memfds() if m.pid == run.pid]
+        assert [(m.kind, m.nbytes) for m in held] == [("dump", 512 * MIB)]  # the parent holds the dump
         processes = _descendants(run.pid)
         assert len(processes) >= 3  # the parent and its two workers at least
+        before_kill = _shmem_bytes()
     finally:
         for pid in _descendants(run.pid):
             try:
@@ -261,8 +266,9 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
                 pass
         run.wait()
         run.stderr.close()
-    # Other processes of the machine may hold shared memory too: allow them a margin far below the 512 MiB.
-    assert wait_until(lambda: _shmem_bytes() <= baseline + 128 * MIB, 2.0), (baseline, _shmem_bytes())
+    # The machine's other processes may change Shmem meanwhile: the 512 MiB must go, give or take 112 MiB.
+    assert wait_until(lambda: _shmem_bytes() <= before_kill - 400 * MIB, 2.0), (before_kill, _shmem_bytes())
+    assert not [m for m in _memfd.live_memfds() if m.pid in processes]
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in processes), 10)
     for base in ("/dev/shm", tempfile.gettempdir()):
         assert [name for name, _ in memshare_entries(base) if int(name.split("-")[1]) in processes] == []
@@ -277,13 +283,21 @@ SMALL_MOUNTS_RUN = """
     def chunk_sum(X, i):
         return float(X[i].sum())
 
+    def result(i):
+        return np.full(128 * 2**20 // 8, float(i))
+
     X = np.ones((64, 512 * 2**20 // 8 // 64))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sums = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(64))
-    stats = memshare.last_call_stats()
+        stats = memshare.last_call_stats()
+        results = Parallel(n_jobs=2)(delayed(result)(i) for i in range(4))
+        back = memshare.last_call_stats()
     assert sums == [float(X.shape[1])] * 64, sums
+    assert [float(r[-1]) for r in results] == [0.0, 1.0, 2.0, 3.0]
     print("DUMPED", stats["arrays_dumped"], stats["bytes_dumped"] // 2**20, "FALLBACK", stats["fallback_files"])
+    print("RESULTS", back["results_by_reference"], back["bytes_results_by_reference"] // 2**20,
+          "FALLBACK", back["fallback_files"], "PICKLED", back["results_pickled_no_room"])
     print("LEFT", sorted(os.listdir("/dev/shm")), sorted(os.listdir("/tmp")))
 """
 
@@ -292,6 +306,7 @@ def test_a_64_mb_shm_and_temp_dir_change_nothing():
     result = run_with_private_mounts(SMALL_MOUNTS_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"})
     assert result.returncode == 0, result.stderr
     assert "DUMPED 1 512 FALLBACK 0" in result.stdout
+    assert "RESULTS 4 512 FALLBACK 0 PICKLED 0" in result.stdout
     assert "LEFT [] []" in result.stdout or _only_loky_semaphores(result.stdout)
     assert "Warning" not in result.stderr
 
@@ -308,7 +323,7 @@ READ_ONLY_RUN = """
     from memshare import MemmappingPool, Parallel, delayed
 
     def chunk_sum(X, i):
-        return float(X[i].sum()), X.filename
+        return float(X[i].sum()), X.filename, np.full(2**20, float(i)), memshare.full(2**20, float(i))
 
     def read_only(path):
         # Over the writable mounts: the workers and their semaphores, which need a
@@ -329,9 +344,15 @@ READ_ONLY_RUN = """
                 print("READ-ONLY", path, exc.errno)
         pooled = pool.starmap(chunk_sum, [(X, i) for i in range(8)])
     ours = f"/proc/{os.getpid()}/fd/"
-    print("POOL", pooled[0][0], pooled[0][1].startswith(ours), memshare.last_call_stats()["arrays_dumped"])
-    called = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(8))
-    print("JOBLIB", called[0][0], called[0][1].startswith(ours), memshare.last_call_stats()["arrays_dumped"])
+
+    def report(name, got):
+        stats = memshare.last_call_stats()
+        values = all(r[2][-1] == i and r[3][-1] == i for i, r in enumerate(got))
+        referenced = stats["results_by_reference"]
+        print(name, got[0][0], got[0][1].startswith(ours), stats["arrays_dumped"], referenced, values)
+
+    report("POOL", pooled)
+    report("JOBLIB", Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(8)))
 """
 
 
@@ -339,8 +360,9 @@ def test_read_only_shm_and_temp_dir_still_share_through_memory():
     result = run_with_private_mounts(READ_ONLY_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"})
     assert result.returncode == 0, result.stderr
     assert "READ-ONLY /dev/shm/x 30" in result.stdout and "READ-ONLY /tmp/x 30" in result.stdout
-    assert f"POOL {float(2**20)} True 1" in result.stdout
-    assert f"JOBLIB {float(2**20)} True 1" in result.stdout
+    # Results: an array and a handed-over shared array per task (the pool's figures count its first task too).
+    assert f"POOL {float(2**20)} True 1 18 True" in result.stdout
+    assert f"JOBLIB {float(2**20)} True 1 16 True" in result.stdout
 
 
 def _doctor(*args, env=None):
@@ -367,3 +389,90 @@ def test_doctor_with_memfds_notes_a_small_shm_instead_of_failing(small_tmpfs):
     assert report.returncode == 0, report.stdout
     assert "NOTE: " in report.stdout and "is only 64.0 MiB" in report.stdout
     assert "OK: memshare can share arrays through memfds" in report.stdout
+
+
+def full_with_pid(n, value):
+    return os.getpid(), np.full(n, value)
+
+
+def test_results_pass_their_memfds_to_the_parent_and_no_descriptor_stays_open(default_location):
+    gc.collect()
+    before = len(memfds_held())
+    session = Session(Settings(max_nbytes=1024))
+    try:
+        task = session.pack_task(np.full, ((1000,), 3.0))
+        assert task.results.inbox is not None
+        outcome = run_task(task)  # in this process: the worker's side of the hand-over, then the parent's
+        assert [ref.path.startswith(f"/proc/{os.getpid()}/fd/") for ref in outcome.result_files()] == [True]
+        assert len(memfds_held()) == before  # sent, then closed: the descriptor is in flight
+        ok, value = session.finish(outcome)
+        assert ok and type(value) is np.ndarray and value.flags.writeable and value.sum() == 3000.0
+        assert len(memfds_held()) == before + 1  # the mapping's own descriptor (mmap keeps one)
+        del value
+        gc.collect()
+        assert len(memfds_held()) == before
+    finally:
+        session.close()
+
+    results = Parallel(n_jobs=2)(delayed(full_with_pid)(200_000, float(i)) for i in range(6))
+    assert [float(array[-1]) for _, array in results] == [float(i) for i in range(6)]
+    assert memshare.last_call_stats()["results_by_reference"] == 6
+    workers = {pid for pid, _ in results}
+    del results
+    gc.collect()
+    assert len(memfds_held()) == before
+    assert [memfds_held(pid) for pid in workers] == [[] for _ in workers]
+
+
+def test_a_call_never_restored_closes_what_its_workers_sent(default_location):
+    gc.collect()
+    before = len(memfds_held())
+    session = Session(Settings(max_nbytes=1024))
+    outcomes = [run_task(session.pack_task(np.full, ((1000,), float(i)))) for i in range(3)]
+    session.task_done(outcomes[0].token)  # abandoned: nobody restores these outcomes
+    session.close()
+    assert len(memfds_held()) == before
+    assert [len(o.result_files()) for o in outcomes] == [1, 1, 1]
+
+
+SEND_THEN_DIE = """
+    import os, signal, sys
+    from memshare import _handoff
+    from memshare._folders import FolderPair
+    path, fd = FolderPair("/nonexistent", None, in_memory=True).create_file(4096, "result")
+    info = os.fstat(fd)
+    lie = sys.argv[3] == "lie"
+    _handoff.send(chr(0) + sys.argv[1], int(sys.argv[2]), [(fd, (info.st_dev, info.st_ino + lie))])
+    os.kill(os.getpid(), signal.SIGKILL)  # after sending, before any outcome
+"""
+
+
+@pytest.mark.parametrize("announced", ["truth", "lie"])
+def test_an_inbox_keeps_only_what_was_announced_and_closes_the_rest(announced):
+    gc.collect()
+    before = len(memfds_held())
+    inbox = Inbox()
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(SEND_THEN_DIE), inbox.address[1:], str(os.getpid()), announced],
+            capture_output=True,
+            timeout=60,
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr
+        inbox.discard([])  # reads what is queued, takes nothing
+        kept = 1 if announced == "truth" else 0  # a descriptor that is not what its message says is closed
+        assert inbox.held() == kept and len(memfds_held()) == before + kept
+    finally:
+        inbox.close()
+    assert inbox.held() == 0 and len(memfds_held()) == before
+
+
+def test_a_worker_refuses_to_send_to_an_inbox_its_parent_does_not_hold():
+    inbox = Inbox()
+    try:
+        with pytest.raises(PermissionError, match="not by the parent"):
+            _handoff.send(inbox.address, os.getpid() + 1, [])
+    finally:
+        inbox.close()
+    with pytest.raises(ConnectionRefusedError):
+        _handoff.send(inbox.address, os.getpid(), [])  # closed: the parent finished the call, or died

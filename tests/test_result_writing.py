@@ -252,7 +252,8 @@ def test_the_parent_warns_once_and_counts_results_that_went_to_disk_or_by_value(
         pytest.skip("shared memory and the temp dir are one file system here: there is no disk fallback")
 
     def no_room_in_shared_memory(fd, offset, nbytes):
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.realpath(pair.primary)):
+        target = os.readlink(f"/proc/self/fd/{fd}")  # a file in the primary folder, or a memfd
+        if target.startswith(os.path.realpath(pair.primary)) or target.startswith("/memfd:"):
             raise OSError(errno.ENOSPC, "no space left")
         os.posix_fallocate(fd, offset, nbytes)
 
