@@ -20,7 +20,15 @@ memshare memfd of the right kind (:func:`kind_of`), whose name shows as
 
 Whether this works is probed once per process (:func:`decision`), never
 guessed: ``/proc`` may be hidden, ``memfd_create`` missing, or another
-process refused the open. Then memshare uses named files, as it always did.
+process refused the open (a tiny child process tries it: about 10 ms). Then
+memshare uses named files, as it always did. memshare's workers are its own
+children, of the same user; workers running as another user could not open
+the ``/proc`` path, which the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is
+for that case.
+
+Descriptors: a live memfd costs its owner one descriptor, plus the one
+Python's ``mmap`` keeps for each mapping (as for a named file). A process
+out of descriptors (EMFILE) gets a named file instead.
 
 A forked child closes the descriptors it inherited: it owns none of these
 files, and its copies would keep the parent's memory alive for as long as

@@ -189,6 +189,19 @@ def test_sampler_counts_shm_file(mode):
     assert sampler.samples >= 3
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
+def test_tree_mode_counts_memfds_held_by_the_tree():
+    """A 200 MiB memfd (memshare's default memory on Linux: no file in /dev/shm) held by this process counts."""
+    with MemorySampler(os.getpid()) as sampler:
+        fd = os.memfd_create("bench-sampler-test")
+        try:
+            os.posix_fallocate(fd, 0, 200 * MiB)
+            time.sleep(0.2)
+        finally:
+            os.close(fd)
+    assert 190 * MiB <= sampler.peak_extra_bytes <= 400 * MiB, sampler.peak_extra_bytes
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_tree_mode_ignores_files_of_others_and_of_the_past():
     """ "tree" mode ignores files of others, and a file deleted during the run does not offset a new one."""

@@ -354,7 +354,7 @@ def markdown_table(report: Report) -> str:
         + (
             "the machine's Shmem"
             if report.memory_mode == "machine"
-            else "the tree's new /dev/shm files (files named after a tree pid, or mapped or open in the tree)"
+            else "the tree's new /dev/shm files and memfds (named after a tree pid, or mapped or open in the tree)"
         )
         + ", median over repeats. Ratios: this contender / joblib (< 1 is better).",
         "",
@@ -491,7 +491,7 @@ def build_parser(
         "--memory-mode",
         choices=("tree", "machine"),
         default="tree",
-        help="shared memory counted: the tree's new /dev/shm files (default) or the machine's Shmem",
+        help="shared memory counted: the tree's new /dev/shm files and memfds (default) or the machine's Shmem",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser

@@ -36,6 +36,7 @@ import psutil
 
 DEFAULT_INTERVAL = 0.02
 SHM_DIR = "/dev/shm"
+MEMFD_PREFIX = "/memfd:"  # how memfds show in /proc/PID/maps and as /proc/PID/fd links
 FileKey = Tuple[int, int, str]
 
 
@@ -80,12 +81,14 @@ def _pid_in_name(name: str, pids: Set[str]) -> bool:
 
 
 def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int]:
-    """Files in ``shm_dir`` that belong to the tree: ``(dev, inode, path) -> allocated bytes``.
+    """Files in ``shm_dir`` and memfds that belong to the tree: ``(dev, inode, path) -> allocated bytes``.
 
     A file belongs to the tree when a top-level entry's name carries one of the
     tree's pids as a token (joblib's ``joblib_memmapping_folder_<pid>_...``,
     memshare's ``memshare-<pid>-...``, loky's ``sem.loky-<pid>-...``) or when a
     tree process maps it or holds it open (``/proc/PID/maps`` and ``fd``).
+    memfds (memshare's default on Linux) have no folder: they count when a
+    tree process maps them or holds them open.
     """
     files: Dict[FileKey, int] = {}
 
@@ -111,14 +114,14 @@ def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int
                     add(os.path.join(dirpath, name))
         else:
             add(entry.path)
-    prefix = shm_dir.rstrip("/") + "/"
+    prefixes = (shm_dir.rstrip("/") + "/", MEMFD_PREFIX)
     for pid in pids:
         # Through /proc/PID/map_files and /proc/PID/fd, so that files already unlinked but still mapped or
         # open (memshare unlinks result files once they are mapped) are still counted.
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
-                    at = line.find(prefix)
+                    at = max(line.find(prefix) for prefix in prefixes)
                     if at >= 0:
                         path = line[at:].rstrip("\n").removesuffix(" (deleted)")
                         add(f"/proc/{pid}/map_files/{line.split(None, 1)[0]}", path)
@@ -128,7 +131,7 @@ def tree_shm_files(pids: List[int], shm_dir: str = SHM_DIR) -> Dict[FileKey, int
                     target = os.readlink(link)
                 except OSError:
                     continue
-                if target.startswith(prefix):
+                if target.startswith(prefixes):
                     add(link, target.removesuffix(" (deleted)"))
         except OSError:
             continue
