@@ -1,4 +1,12 @@
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
+
+# The C helper of arrays held once (Linux only). Optional: without a compiler
+# memshare installs without it and sends arrays as it did before.
+extensions = []
+if sys.platform.startswith("linux"):
+    extensions.append(Extension("memshare._remap", ["memshare/_remap.c"], optional=True))
 
 with open("README.md", encoding="utf-8") as readme:
     long_description = readme.read()
@@ -11,6 +19,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["memshare", "memshare.*"]),
     python_requires=">=3.9",
+    ext_modules=extensions,
     install_requires=[
         "numpy>=1.21",
         "joblib>=1.3",

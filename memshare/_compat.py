@@ -1,4 +1,4 @@
-"""Every private name of joblib, loky, multiprocessing and the threading module that memshare relies on.
+"""Every private name of joblib, loky, numpy, multiprocessing and the threading module that memshare relies on.
 
 memshare extends these libraries at a few points where they offer no public
 hook. Each such use goes through a function of this module, with a line
@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import multiprocessing.pool as _mp_pool
 import multiprocessing.queues as _mp_queues
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import joblib
+import numpy as np
 from joblib.externals.loky import process_executor as _loky_process_executor
+
+try:  # numpy >= 2
+    from numpy._core import multiarray as _np_multiarray
+except ImportError:  # numpy 1.x
+    from numpy.core import multiarray as _np_multiarray
+
+#: numpy before 1.22 has one allocator, malloc; later releases let a library plug its own.
+_NUMPY_PLUGGABLE_ALLOCATOR = tuple(int(part) for part in np.__version__.split(".")[:2]) >= (1, 22)
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,16 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         ),
     ),
     (
+        "numpy multiarray.get_handler_name",
+        "an array is held once only when NumPy's default allocator (malloc) made its memory",
+        lambda: _has(_np_multiarray, "get_handler_name") or not _NUMPY_PLUGGABLE_ALLOCATOR,
+    ),
+    (
+        "sys._is_gil_enabled",
+        "arrays are held once only where the GIL keeps other threads out of each copy-then-remap step",
+        lambda: _has(sys, "_is_gil_enabled") or sys.version_info < (3, 13),
+    ),
+    (
         "threading.Lock._at_fork_reinit",
         "memshare's locks are unlocked in a forked child, as the standard library does for its own",
         lambda: _has(threading.Lock(), "_at_fork_reinit") and _has(threading.RLock(), "_at_fork_reinit"),
@@ -161,6 +181,30 @@ def set_loky_leak_limit(nbytes: int) -> None:
     """
     if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
         _loky_process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
+
+
+# -- numpy ---------------------------------------------------------------------
+
+
+def made_by_default_allocator(array: np.ndarray) -> bool:
+    """True when ``array`` owns memory that NumPy's default allocator (malloc) gave it.
+
+    Before numpy 1.22 every array that owns its data got it from malloc. The
+    handler's name is what NEP 49 documents for telling allocators apart; numpy
+    2 moved the module that exposes it.
+    """
+    if not array.flags.owndata:
+        return False
+    if not _NUMPY_PLUGGABLE_ALLOCATOR:
+        return True
+    get_handler_name = getattr(_np_multiarray, "get_handler_name", None)
+    return get_handler_name is not None and get_handler_name(array) == "default_allocator"
+
+
+def gil_enabled() -> bool:
+    """False on a free-threaded CPython running without its GIL (3.13+); True everywhere else."""
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_gil_enabled is None else bool(is_gil_enabled())
 
 
 # -- multiprocessing -----------------------------------------------------------
@@ -227,8 +271,10 @@ __all__ = [
     "drain_task_queue",
     "drop_ready_batches",
     "fail_pool_result",
+    "gil_enabled",
     "failed_checks",
     "iterator_exhausted",
+    "made_by_default_allocator",
     "pending_pool_results",
     "pool_size",
     "reinit_lock",

@@ -27,6 +27,8 @@ _SIZE_PATTERN = re.compile(r"^\s*(?P<number>.*?)\s*(?P<unit>[KMGT]?)(?:I?B)?\s*$
 ENV_TEMP_FOLDER = "MEMSHARE_TEMP_FOLDER"
 #: joblib's variable, honoured when memshare's own is not set.
 ENV_JOBLIB_TEMP_FOLDER = "JOBLIB_TEMP_FOLDER"
+#: Environment variable turning arrays held once off ("0") or on ("1", the default).
+ENV_PROMOTE = "MEMSHARE_PROMOTE"
 
 
 def parse_max_nbytes(value: Union[int, float, str, None]) -> Optional[int]:
@@ -143,6 +145,20 @@ def folder_from_environment() -> Optional[Tuple[str, str]]:
     return None
 
 
+def check_promote(value: object) -> bool:
+    """The ``promote`` setting: the argument when given, else ``$MEMSHARE_PROMOTE``, else True."""
+    if value is None:
+        text = os.environ.get(ENV_PROMOTE, "").strip().lower()
+        if text in ("", "1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PROMOTE}={text!r} is not understood: set it to 1 (hold arrays once) or 0 (never)")
+    if not isinstance(value, bool):
+        raise TypeError(f"promote must be True, False or None (from ${ENV_PROMOTE}), got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """The sharing settings of one pool or one joblib call.
@@ -154,6 +170,7 @@ class Settings:
     max_nbytes: Optional[int] = 1024**2
     mmap_mode: str = "r"
     temp_folder: Optional[str] = None
+    promote: bool = True  # hold large ordinary arrays once (see _promotion)
 
     @classmethod
     def from_user(
@@ -161,10 +178,12 @@ class Settings:
         max_nbytes: Union[int, float, str, None] = "1M",
         mmap_mode: str = "r",
         temp_folder: Optional[str] = None,
+        promote: Optional[bool] = None,
     ) -> Settings:
         """Validate user arguments; raise a clear error for any bad one."""
         return cls(
             max_nbytes=parse_max_nbytes(max_nbytes),
             mmap_mode=check_mmap_mode(mmap_mode),
             temp_folder=check_temp_folder(temp_folder),
+            promote=check_promote(promote),
         )

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from . import _compat, _memfd
-from ._config import format_bytes
+from ._config import check_promote, format_bytes
 from ._folders import (
     SHM_ROOT,
     candidate_bases,
@@ -38,6 +38,7 @@ from ._folders import (
     free_bytes,
     list_folders,
 )
+from ._held_memory import unsupported_reason
 from ._owners import pid_namespace
 
 GIB = 1024**3
@@ -218,7 +219,7 @@ def _check_internals(say: Callable[[str], None], verdict: Verdict) -> None:
     """Report the private names of other libraries memshare relies on (see ``_compat``)."""
     missing = _compat.failed_checks()
     say(
-        f"  internals of joblib, loky and the standard library: {len(_compat.CHECKS) - len(missing)} of "
+        f"  internals of joblib, loky, numpy and the standard library: {len(_compat.CHECKS) - len(missing)} of "
         f"{len(_compat.CHECKS)} found"
     )
     for check in missing:
@@ -226,6 +227,20 @@ def _check_internals(say: Callable[[str], None], verdict: Verdict) -> None:
             f"{check.name} is missing in the installed versions, so {check.why} no longer holds. Install the "
             "joblib and Python versions README lists as tested, or a memshare release that supports yours."
         )
+
+
+def _check_held_once(say: Callable[[str], None], verdict: Verdict) -> None:
+    """Whether large ordinary arrays are held once (README, "Arrays held once"), and why not."""
+    unsupported = unsupported_reason()
+    try:
+        enabled = check_promote(None)
+    except ValueError as exc:
+        verdict.problems.append(str(exc))
+        enabled = False
+    if unsupported:
+        say(f"  arrays held once: unavailable ({unsupported}); large arrays are dumped")
+    else:
+        say(f"  arrays held once: {'on' if enabled else 'off (MEMSHARE_PROMOTE)'}")
 
 
 def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = print) -> int:
@@ -266,6 +281,7 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     say(f"  loky {_version('joblib.externals.loky')} (bundled with joblib; memshare's workers run on it)")
     say(f"  memshare {_version('memshare')}")
     say(f"  multiprocessing default start method: {multiprocessing.get_start_method()}")
+    _check_held_once(say, verdict)
     _check_internals(say, verdict)
 
     say("Verdict")

@@ -47,5 +47,10 @@ class IdentityTable(Generic[Value]):
 
         self._items[key] = (weakref.ref(obj, collected), value)
 
+    def remove(self, obj: object) -> None:
+        """Drop the entry of ``obj`` (its callback will not run)."""
+        if obj in self:
+            del self._items[id(obj)]
+
     def clear(self) -> None:
         self._items.clear()

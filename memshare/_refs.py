@@ -26,7 +26,9 @@ from ._owners import parse_folder_name
 DUMP = "dump"  # written by memshare for one pool or call; temporary
 RESULT = "result"  # written by a worker for a result; the parent adopts it
 SHARED = "shared"  # a memshare.empty()/share() array owned by the user's process
+HELD = "held"  # an ordinary array of the parent held once: the file is its memory (``_promotion``)
 USER = "user"  # any other file mapping the user made (np.memmap, mmap.mmap)
+_KINDS = (DUMP, RESULT, SHARED, HELD)  # memshare's own files
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,13 @@ def kind_of_path(path: str) -> str:
     """
     if _memfd.is_memfd_path(path):
         kind = _memfd.kind_of(path)
-        return kind if kind in (DUMP, RESULT, SHARED) else USER
+        return kind if kind in _KINDS else USER
     folder, name = os.path.split(path)
     owner_folder = os.path.basename(folder)
     if parse_folder_name(owner_folder) is None:
         return USER
     prefix = name.split("-", 1)[0]
-    return prefix if prefix in (DUMP, RESULT, SHARED) else USER
+    return prefix if prefix in _KINDS else USER
 
 
 def find_backing(array: np.ndarray) -> Optional[ArrayRef]:

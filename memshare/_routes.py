@@ -19,7 +19,9 @@ Arguments (:func:`input_route`):
 ``DUMP``
     A large array in ordinary memory: written once to a dump file of the
     session (deduplicated by identity), with the mode workers map it with
-    when it is not the session's (a copy-on-write memmap's copy).
+    when it is not the session's (a copy-on-write memmap's copy). The session
+    carries out the dump of an eligible array by holding it once instead
+    (``_promotion``): its memory becomes its file, for every later call too.
 ``VIEW_OF_DUMP``
     A view into one of the session's dumps: either a large view covering
     at least half of a contiguous base, whose base is dumped (once) so that

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _forksafe
+from . import _forksafe, _promotion
 from ._config import Settings
 from ._dumping import dump_array, row_slabs
 from ._errors import UnpicklableArgumentError
@@ -58,7 +58,17 @@ from ._protocol import Outcome, Task, restore
 from ._reducers import Reducers, Reduction, ResultSpec, input_reduction, pack
 from ._refs import DUMP, SHARED, ArrayRef
 from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, input_route, view_in_dump
-from ._stats import DUMPED, PICKLED, REFERENCED, CallStats, log_decision, logger, record_finished
+from ._stats import (
+    DUMPED,
+    HELD_ONCE,
+    NOT_HELD_ONCE,
+    PICKLED,
+    REFERENCED,
+    CallStats,
+    log_decision,
+    logger,
+    record_finished,
+)
 
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
 _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
@@ -85,6 +95,8 @@ class _TaskRecord:
     # their file is deleted when the last view dies, and a worker may not
     # have mapped it yet.
     held: List[np.ndarray] = field(default_factory=list)
+    #: Arrays held once that the task reads: their files are not rewritten in place while it is pending.
+    held_once: List[_promotion.Held] = field(default_factory=list)
     #: memshare's own failure while carrying out a route (no room for a dump,
     #: say), as opposed to a failure to pickle the caller's arguments.
     error: Optional[BaseException] = None
@@ -112,6 +124,11 @@ class Session:
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
+        # Arrays held once already brought up to date in a generation, and
+        # arrays found unfit (or refused in place) in one: each is looked at
+        # once per call, not once per task.
+        self._refreshed: IdentityTable[int] = IdentityTable()
+        self._not_held_once: IdentityTable[int] = IdentityTable()
         self._closed = False
         self._inbox = self._open_inbox()
         self._results = ResultSpec(
@@ -158,7 +175,7 @@ class Session:
             try:
                 stream = pack((func, args, kwargs or {}), reduce_array, reducers=self._reducers)
             except Exception as exc:
-                self._release(record.files)
+                self._release_record(record)
                 if exc is record.error:
                     raise
                 raise UnpicklableArgumentError(
@@ -168,7 +185,7 @@ class Session:
                     "not), create such objects inside the task, or use backend='threading'."
                 ) from exc
             except BaseException:
-                self._release(record.files)
+                self._release_record(record)
                 raise
             self._tasks[token] = record
             self.stats.add(tasks=1, bytes_pickled=len(stream))
@@ -228,7 +245,7 @@ class Session:
         with self._lock:
             record = self._tasks.pop(token, None)
             if record is not None:
-                self._release(record.files)
+                self._release_record(record)
 
     # -- carrying out routes (called while pickling, with the lock held) -------
 
@@ -271,6 +288,10 @@ class Session:
         return True
 
     def _dump(self, array: np.ndarray, mode: Optional[str], record: _TaskRecord) -> ArrayRef:
+        if mode is None and self.settings.promote:
+            ref = self._hold_once(array, record)
+            if ref is not None:
+                return ref
         entry = self._by_array.get(array)
         if entry is not None and entry.ref is not None and entry.generation != self._generation:
             if entry.pending == 0 and not self._matches_file(entry, array):
@@ -290,6 +311,52 @@ class Session:
             log_decision(DUMPED, array, ref.path, seconds)
         self._use(entry, record)
         return entry.ref
+
+    def _hold_once(self, array: np.ndarray, record: _TaskRecord) -> Optional[ArrayRef]:
+        """The reference to ``array``'s own file when it is (or now becomes) held once; None: dump it.
+
+        An array is promoted the first time it is dumped, brought up to date
+        once per generation after that, and dumped as before when it cannot
+        be held once (the reason is logged once per call) or cannot be
+        brought up to date in place.
+        """
+        generation = self._generation
+        if self._not_held_once.get(array) == generation:
+            return None
+        held = _promotion.lookup(array)
+        if held is None:
+            reason = _promotion.unfit_reason(array, self._worker_mode(), self.settings.temp_folder)
+            if reason is None:
+                try:
+                    held, seconds = _promotion.promote(array)
+                except OSError as exc:
+                    reason = f"{exc.strerror or exc}"
+            if held is None:
+                self._not_held_once.add(array, generation)
+                log_decision(NOT_HELD_ONCE, array, f"dumped instead: {reason}")
+                return None
+            self.stats.add(arrays_held_once=1, bytes_held_once=array.nbytes, dump_seconds=seconds)
+            log_decision(HELD_ONCE, array, held.ref.path, seconds)
+            self._refreshed.add(array, generation)
+        elif self._refreshed.get(array) != generation:
+            rewritten = held.refresh(array)
+            if rewritten is None:
+                if not held.describes(array):
+                    _promotion.forget(array)  # its memory moved (ndarray.resize): a plain array again
+                self._not_held_once.add(array, generation)
+                log_decision(
+                    NOT_HELD_ONCE,
+                    array,
+                    "dumped instead: its file cannot be brought up to date in place "
+                    "(a task still reads it, or the process forked since)",
+                )
+                return None
+            self.stats.add(bytes_refreshed=rewritten)
+            self._refreshed.add(array, generation)
+        held.acquire()
+        record.held_once.append(held)
+        record.held.append(array)  # its file lives as long as the array
+        return dataclasses.replace(held.ref, mode=self._worker_mode())
 
     def _worker_mode(self) -> str:
         return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode
@@ -326,6 +393,12 @@ class Session:
                 pool.submit(_same_rows, array, stored, middle, rows),
             ]
             return all(half.result() for half in halves)
+
+    def _release_record(self, record: _TaskRecord) -> None:
+        self._release(record.files)
+        for held in record.held_once:
+            held.release()
+        record.held_once.clear()
 
     def _release(self, paths: List[str]) -> None:
         for path in paths:
@@ -385,6 +458,10 @@ class Session:
             self._by_path.clear()
             self._idle.clear()
             self._seen.clear()
+            self._refreshed.clear()
+            self._not_held_once.clear()
+            for record in self._tasks.values():
+                self._release_record(record)
             self._tasks.clear()
         if self._inbox is not None:
             self._inbox.close()  # descriptors of outcomes never restored go with it

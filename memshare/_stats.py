@@ -24,6 +24,8 @@ logger = logging.getLogger("memshare")
 DUMPED = "dumped"
 REFERENCED = "referenced"
 PICKLED = "pickled"
+HELD_ONCE = "held once"
+NOT_HELD_ONCE = "not held once"
 
 
 @dataclass
@@ -45,6 +47,9 @@ class CallStats:
     bytes_results_by_reference: int = 0
     tasks: int = 0
     fallback_files: int = 0  # arrays and results written to the disk fallback
+    arrays_held_once: int = 0  # arrays promoted: their memory is now their shared file
+    bytes_held_once: int = 0
+    bytes_refreshed: int = 0  # bytes of arrays held once written again because the parent changed them
     results_pickled_no_room: int = 0  # results sent by value because no file had room
     _lock: threading.Lock = field(default_factory=_forksafe.lock, repr=False, compare=False)
 
@@ -61,6 +66,7 @@ class CallStats:
         return (
             f"memshare: {self.tasks} tasks; {self.arrays_dumped} arrays dumped "
             f"({_mib(self.bytes_dumped)} in {self.dump_seconds:.2f} s), "
+            f"{self.arrays_held_once} held once ({_mib(self.bytes_held_once)}), "
             f"{self.arrays_referenced} passed by reference ({_mib(self.bytes_referenced)}), "
             f"{self.arrays_pickled} pickled ({_mib(self.bytes_pickled)} of task payloads); "
             f"{self.results_by_reference} results returned by reference "
@@ -124,7 +130,11 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     ``bytes_results_by_reference``, ``tasks``, ``fallback_files`` (arrays
     and results written to the disk fallback because shared memory was
     full), ``results_pickled_no_room`` (results sent back by value because
-    no file had room). None before the first call ends.
+    no file had room), ``arrays_held_once`` and ``bytes_held_once`` (arrays
+    whose memory became their shared file in this call, see README's "Arrays
+    held once"), ``bytes_refreshed`` (bytes of arrays held once written to
+    their file again because the parent changed them). None before the first
+    call ends.
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()

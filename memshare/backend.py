@@ -83,6 +83,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         idle_worker_timeout=300,
         initializer=None,
         initargs=(),
+        promote=None,
         **backend_kwargs,
     ):
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
@@ -95,6 +96,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         # passes those on to a base class that accepts none.
         self._configured_initializer = initializer
         self._configured_initargs = initargs
+        self._promote = promote  # parallel_config(backend="memshare", promote=False)
         self._initializer = None
         self._initargs: tuple = ()
         # Incremented by abort_everything. joblib ignores the outcome of a
@@ -129,7 +131,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         idle_worker_timeout=None,
         **unused,
     ) -> int:
-        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder)
+        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder, self._promote)
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
             # Nothing crosses a process boundary: the call shares nothing, and

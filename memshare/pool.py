@@ -97,6 +97,10 @@ class MemmappingPool(Pool):
         it is in the page cache before the workers map it; memshare's dumps
         are written with ``write()`` through the page cache (on ``/dev/shm``
         they are the memory itself), so they are there already.
+    promote
+        Whether a large ordinary array, once sent, keeps its data in its
+        shared file instead of a second copy (see README, "Arrays held
+        once"); None (default) reads ``$MEMSHARE_PROMOTE``, which defaults to on.
     context
         A multiprocessing context or start method name; by default
         ``forkserver`` where it exists (see ``_pool_args.default_context``).
@@ -121,9 +125,10 @@ class MemmappingPool(Pool):
         initargs: Iterable = (),
         maxtasksperchild: Optional[int] = None,
         context: Any = None,
+        promote: Optional[bool] = None,
     ) -> None:
         processes = check_processes(processes)
-        settings = Settings.from_user(check_max_nbytes(max_nbytes), mmap_mode, check_temp_folder(temp_folder))
+        settings = Settings.from_user(check_max_nbytes(max_nbytes), mmap_mode, check_temp_folder(temp_folder), promote)
         forward_reducers = check_reducers("forward_reducers", forward_reducers)
         backward_reducers = check_reducers("backward_reducers", backward_reducers)
         if check_verbose(verbose):

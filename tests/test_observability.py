@@ -88,5 +88,7 @@ def test_memshare_debug_environment_variable_turns_the_log_on():
     """
     on = run_script(code, env={"MEMSHARE_DEBUG": "1"})
     off = run_script(code, env={"MEMSHARE_DEBUG": "0"})
-    assert "[memshare] dumped array shape=(300000,)" in on.stderr
+    assert "[memshare] held once array shape=(300000,)" in on.stderr
     assert "memshare" not in off.stderr
+    plain = run_script(code, env={"MEMSHARE_DEBUG": "1", "MEMSHARE_PROMOTE": "0"})
+    assert "[memshare] dumped array shape=(300000,)" in plain.stderr

@@ -29,7 +29,15 @@ from typing import Any, Dict
 
 import workloads  # the sibling module, imported as top-level (see above)
 
-STAT_KEYS = ("bytes_dumped", "dump_seconds", "arrays_referenced", "results_by_reference", "arrays_pickled")
+STAT_KEYS = (
+    "bytes_dumped",
+    "dump_seconds",
+    "arrays_held_once",
+    "bytes_refreshed",
+    "arrays_referenced",
+    "results_by_reference",
+    "arrays_pickled",
+)
 
 
 def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: str, n_jobs: int) -> tuple:
@@ -59,6 +67,7 @@ def serve(conn: Connection, name: str) -> None:
             data, expected = workload.prepare_for(size, quick, name), None
             conn.send(("prepared", workload.pickled_bytes(data)))
         elif command == "measure":
+            data = workloads.fresh(data)
             result = _measure(conn, workload, data, name, message[1])
             correct = True
             if name not in workloads.LIMIT_PARTS:

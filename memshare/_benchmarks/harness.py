@@ -105,6 +105,7 @@ class Measurement:
     stats: Dict[str, Any] = field(default_factory=dict)
     pid: int = 0  # the contender's own process
     imported_memshare: bool = False  # whether that process had imported memshare
+    end_extra_bytes: int = 0  # extra memory still held once the call returned
 
 
 @dataclass
@@ -207,13 +208,15 @@ def _run_rotation(report: Report, key: str, processes: Dict[str, Any], jobs_valu
             for name in active[shift:] + active[:shift]:
                 bar.set_description(f"({key}) {name} n_jobs={jobs} #{repeat + 1}")
                 process = processes[name]
-                seconds, peak, correct, stats, imported = process.measure(
+                seconds, peak, end, correct, stats, imported = process.measure(
                     jobs if name != "serial" else 1, report.memory_mode
                 )
                 if not correct:
                     report.notes.append(f"({key}) {name} n_jobs={jobs}: WRONG RESULT")
                 report.measurements.append(
-                    Measurement(key, name, jobs, seconds, peak, correct, stats, process.pid, imported)
+                    Measurement(
+                        key, name, jobs, seconds, peak, correct, stats, process.pid, imported, end_extra_bytes=end
+                    )
                 )
                 bar.update(1)
 
@@ -230,6 +233,7 @@ def summarize(report: Report) -> List[Dict[str, Any]]:
     groups = _groups(report)
     medians = {key: statistics.median(m.seconds for m in ms) for key, ms in groups.items()}
     memories = {key: statistics.median(m.peak_extra_bytes for m in ms) for key, ms in groups.items()}
+    after = {key: statistics.median(m.end_extra_bytes for m in ms) for key, ms in groups.items()}
     rows = []
     for key, ms in groups.items():
         workload, jobs, contender = key
@@ -245,6 +249,7 @@ def summarize(report: Report) -> List[Dict[str, Any]]:
                 "min": min(m.seconds for m in ms),
                 "max": max(m.seconds for m in ms),
                 "memory": memories[key],
+                "after": after[key],
                 "time_ratio": medians[key] / medians[ref] if ref in medians and medians[ref] > 0 else None,
                 "memory_ratio": memories[key] / memories[ref] if ref in memories and memories[ref] > 0 else None,
                 "correct": all(m.correct for m in ms),
@@ -358,9 +363,9 @@ def markdown_table(report: Report) -> str:
         )
         + ", median over repeats. Ratios: this contender / joblib (< 1 is better).",
         "",
-        "| workload | contender | n_jobs | median time | min-max | peak extra memory | time / joblib "
-        "| memory / joblib | correct |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | contender | n_jobs | median time | min-max | peak extra memory | extra after return "
+        "| time / joblib | memory / joblib | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tr = f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "-"
@@ -368,7 +373,7 @@ def markdown_table(report: Report) -> str:
         jobs = "1 (in-process)" if r["contender"] == "serial" else r["n_jobs"]
         lines.append(
             f"| ({r['workload']}) | {r['contender']} | {jobs} | {r['median']:.3f} s "
-            f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {tr} | {mr} "
+            f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {format_size(r['after'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )
     limits = limit_rows(report)

@@ -52,14 +52,14 @@ class ContenderProcess:
         """Build the workload's data in the process; return what a pickling contender would copy per call."""
         return self._ask(("prepare", key, size, quick), "prepared")[1]
 
-    def measure(self, n_jobs: int, memory_mode: str) -> Tuple[float, int, bool, Dict[str, Any], bool]:
-        """One timed run: (seconds, peak extra bytes of the process tree, correct, memshare figures,
-        whether the process imported memshare)."""
+    def measure(self, n_jobs: int, memory_mode: str) -> Tuple[float, int, int, bool, Dict[str, Any], bool]:
+        """One timed run: (seconds, peak extra bytes of the process tree, extra bytes still held once the call
+        returned, correct, memshare figures, whether the process imported memshare)."""
         self._ask(("measure", n_jobs), "ready")
         with MemorySampler(self.pid, mode=memory_mode) as sampler:
             seconds = self._ask(("go",), "done")[1]
         _, correct, stats, imported = self._ask(("sampled",), "measured")
-        return seconds, sampler.peak_extra_bytes, correct, stats, imported
+        return seconds, sampler.peak_extra_bytes, sampler.end_extra_bytes, correct, stats, imported
 
     def close(self) -> None:
         """Ask the process to quit; kill it if it does not within a minute."""

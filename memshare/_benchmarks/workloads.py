@@ -30,7 +30,17 @@ import numpy as np
 
 BASE_CONTENDERS: Tuple[str, ...] = ("memshare", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
 # "memshare-plain": memshare's Parallel handed a plain np.ndarray where the workload gives memshare a shared array.
-CONTENDERS: Tuple[str, ...] = ("memshare", "memshare-plain", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
+# "memshare-copy": memshare with promote=False: a plain array is dumped (copied) instead of held once.
+CONTENDERS: Tuple[str, ...] = (
+    "memshare",
+    "memshare-plain",
+    "memshare-copy",
+    "joblib",
+    "joblib-nomemmap",
+    "mp.Pool",
+    "serial",
+)
+MEMSHARE_CONTENDERS = ("memshare", "memshare-plain", "memshare-copy")
 PICKLING = ("joblib-nomemmap", "mp.Pool")
 # Parts of the limit "serial / workers + one write + one first touch", timed in the same run as the contenders.
 LIMIT_PARTS: Tuple[str, ...] = ("shm-write", "first-touch")
@@ -116,10 +126,11 @@ class Runner:
     def _parallel(self, **extra):
         import joblib
 
-        if self.name in ("memshare", "memshare-plain"):
+        if self.name in MEMSHARE_CONTENDERS:
             import memshare  # only here: the other contenders' processes never import it
 
-            return memshare.Parallel(n_jobs=self.n_jobs, backend="memshare", **extra)
+            backend = memshare.MemshareBackend(promote=False) if self.name == "memshare-copy" else "memshare"
+            return memshare.Parallel(n_jobs=self.n_jobs, backend=backend, **extra)
         if self.name == "joblib":
             return joblib.Parallel(n_jobs=self.n_jobs, **extra)
         if self.name == "joblib-nomemmap":
@@ -157,7 +168,7 @@ class Runner:
 
     def managed(self) -> None:
         """Enter ``with Parallel() as p:`` so later calls reuse one managed context (joblib contenders only)."""
-        if self.name in ("memshare", "memshare-plain", "joblib", "joblib-nomemmap"):
+        if self.name in MEMSHARE_CONTENDERS + ("joblib", "joblib-nomemmap"):
             self._managed = self._parallel()
             self._managed.__enter__()
 
@@ -297,6 +308,21 @@ def _warm_backend(contender: str, n_jobs: int) -> None:
         pass
 
 
+def fresh(data: Any) -> Any:
+    """A new copy of an ordinary array, else ``data`` itself: each repeat sends an array no call has seen.
+
+    memshare holds an array once after its first call (its memory becomes its
+    shared file), so reusing one array across repeats would time the first
+    repeat cold and the others warm. Shared arrays (not owning their memory)
+    and other data are used as they are.
+    """
+    if type(data) is np.ndarray and data.flags.owndata:
+        renewed = data.copy(order="K")
+        del data
+        return renewed
+    return data
+
+
 def _array(size: int, quick: bool) -> np.ndarray:
     n = max(64, size // 8)
     rng = np.random.default_rng(0)
@@ -367,6 +393,7 @@ def make_workloads() -> Dict[str, Workload]:
             "contiguous chunks: 64 tasks each sum 1/64 of the array (cold: first dispatch)",
             _array,
             _chunks,
+            contenders=BASE_CONTENDERS + ("memshare-copy",),
             note="pickling contenders are sent only their chunk",
             limit_bytes=lambda a: a.nbytes,
         ),
@@ -375,6 +402,7 @@ def make_workloads() -> Dict[str, Workload]:
             "whole scans: 16 tasks each sum the whole array",
             _array,
             lambda a, pickles: [(whole_sum, (a, i)) for i in range(16)],
+            contenders=BASE_CONTENDERS + ("memshare-copy",),
             pickled_bytes=lambda a: 16 * a.nbytes,
             limit_bytes=lambda a: a.nbytes,
         ),
@@ -397,6 +425,7 @@ def make_workloads() -> Dict[str, Workload]:
             "managed second call: `with Parallel() as p`, workload (a) twice, second call timed",
             _array,
             _chunks,
+            contenders=BASE_CONTENDERS + ("memshare-copy",),
             managed_second_call=True,
             note="memshare checks the array for changes; joblib reuses its dump without checking",
         ),
@@ -430,10 +459,11 @@ def make_workloads() -> Dict[str, Workload]:
         "i": Workload(
             "i",
             "shared-array loop: 10 separate calls of workload (a) over the same array; memshare gets "
-            "memshare.share(array) (made before the memory baseline), joblib and memshare-plain a plain np.ndarray",
+            "memshare.share(array) (made before the memory baseline), joblib, memshare-plain and memshare-copy "
+            "a plain np.ndarray",
             _array,
             _chunks,
-            contenders=("memshare", "memshare-plain", "joblib", "serial"),
+            contenders=("memshare", "memshare-plain", "memshare-copy", "joblib", "serial"),
             calls=10,
             skip_reason=_shared_skip,
             select=_shared_for_memshare,

@@ -1,0 +1,96 @@
+/* The two memory operations of arrays held once that must not be split.
+ *
+ * Holding an array once means writing a range of its memory into its shared
+ * file and then mapping the file over that range (MAP_PRIVATE | MAP_FIXED),
+ * or, for pages written since, writing them into the file again and
+ * dropping their private copies (MADV_DONTNEED). A write into the range that
+ * falls between the two steps would be lost. Each function below does both
+ * steps in one call without releasing the GIL, so no Python code of any
+ * thread (and no Python signal handler) can run in between. Written in C
+ * because a pair of ctypes calls can be separated by a thread switch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static int write_all(int fd, const char *address, Py_ssize_t length, long long offset) {
+    Py_ssize_t done = 0;
+    while (done < length) {
+        ssize_t written = pwrite(fd, address + done, (size_t)(length - done), (off_t)(offset + done));
+        if (written < 0 && errno == EINTR)
+            continue;
+        if (written <= 0) {
+            if (written == 0)
+                errno = EIO;
+            return -1;
+        }
+        done += written;
+    }
+    return 0;
+}
+
+static int parse(PyObject *args, int *fd, long long *offset, unsigned long long *address, Py_ssize_t *length) {
+    if (!PyArg_ParseTuple(args, "iLKn", fd, offset, address, length))
+        return -1;
+    if (*length < 0 || *offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative length or offset");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_then_remap_doc,
+             "copy_then_remap(fd, file_offset, address, length)\n\n"
+             "Write the memory [address, address + length) into fd at file_offset, then map that\n"
+             "part of the file privately over the same memory (whole pages, congruent offsets).");
+
+static PyObject *copy_then_remap(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset;
+    unsigned long long address;
+    Py_ssize_t length;
+    if (parse(args, &fd, &offset, &address, &length) < 0)
+        return NULL;
+    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    void *mapped = mmap((void *)(uintptr_t)address, (size_t)length, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_FIXED, fd, (off_t)offset);
+    if (mapped == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(rewrite_then_drop_doc,
+             "rewrite_then_drop(fd, file_offset, address, length)\n\n"
+             "Write the memory [address, address + length) into fd at file_offset, then drop the\n"
+             "private copies of those pages so that they read the file again (whole pages).");
+
+static PyObject *rewrite_then_drop(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset;
+    unsigned long long address;
+    Py_ssize_t length;
+    if (parse(args, &fd, &offset, &address, &length) < 0)
+        return NULL;
+    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (madvise((void *)(uintptr_t)address, (size_t)length, MADV_DONTNEED) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_then_remap", copy_then_remap, METH_VARARGS, copy_then_remap_doc},
+    {"rewrite_then_drop", rewrite_then_drop, METH_VARARGS, rewrite_then_drop_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "memshare._remap", "Memory operations of arrays held once that must not be split.",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__remap(void) { return PyModule_Create(&module); }
