@@ -277,8 +277,14 @@ _forks = _ForkCount()
 
 
 def _reset_after_fork() -> None:
+    """In a forked child: forget the parent's arrays held once, closing the child's copies of their descriptors."""
     global _registry
-    _registry = _Registry()
+    inherited, _registry = _registry, _Registry()
+    for held in inherited.held.values():
+        try:
+            os.close(held.fd)
+        except OSError:
+            pass
 
 
 if hasattr(os, "register_at_fork"):

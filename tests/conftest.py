@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Optional
 
 import joblib
 import pytest
@@ -173,8 +174,12 @@ def memfds_held(pid="self") -> list:
     return found
 
 
-def run_with_private_mounts(code: str, mounts: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_with_private_mounts(
+    code: str, mounts: dict, timeout: float = 300, extra_env: Optional[dict] = None
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter inside a private mount namespace with tmpfs ``mounts`` (path -> options).
+
+    ``extra_env`` adds environment variables (memshare's own are cleared first).
 
     Mounts made there are invisible to the rest of the machine and vanish with
     the process. Root only (CI runs as root): skips elsewhere, saying why.
@@ -186,8 +191,9 @@ def run_with_private_mounts(code: str, mounts: dict, timeout: float = 300) -> su
     commands = [f"mount -t tmpfs -o {options} tmpfs {path}" for path, options in mounts.items()]
     shell = " && ".join(commands + ['exec "$0" -c "$1"'])
     env = dict(os.environ, TMPDIR="/tmp")
-    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD"):
+    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD", "MEMSHARE_PROMOTE"):
         env.pop(name, None)
+    env.update(extra_env or {})
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -m not permitted here: {probe.stderr.decode(errors='replace').strip()}")
