@@ -189,17 +189,28 @@ def test_sampler_counts_shm_file(mode):
     assert sampler.samples >= 3
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
-def test_tree_mode_counts_memfds_held_by_the_tree():
-    """A 200 MiB memfd (memshare's default memory on Linux: no file in /dev/shm) held by this process counts."""
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfds are Linux-only")
+def test_tree_mode_counts_memfds_held_open_or_mapped():
+    """memfds live in no folder: an open one and one only mapped (its descriptor closed) both count."""
+    import mmap
+
     with MemorySampler(os.getpid()) as sampler:
-        fd = os.memfd_create("bench-sampler-test")
-        try:
-            os.posix_fallocate(fd, 0, 200 * MiB)
-            time.sleep(0.2)
-        finally:
-            os.close(fd)
-    assert 190 * MiB <= sampler.peak_extra_bytes <= 400 * MiB, sampler.peak_extra_bytes
+        held = os.memfd_create("bench-sampler-test-open")
+        _fill_descriptor(held, 100)
+        mapped_fd = os.memfd_create("bench-sampler-test-mapped")
+        _fill_descriptor(mapped_fd, 100)
+        mapping = mmap.mmap(mapped_fd, 100 * MiB)
+        os.close(mapped_fd)
+        time.sleep(0.2)
+        os.close(held)
+        mapping.close()
+    assert 190 * MiB <= sampler.peak_extra_bytes <= 300 * MiB, sampler.peak_extra_bytes
+
+
+def _fill_descriptor(fd: int, mib: int) -> None:
+    block = b"\1" * MiB
+    for _ in range(mib):
+        os.write(fd, block)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
