@@ -150,7 +150,8 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
     """Body of the sampler process: baseline, then sample until a line arrives on stdin.
 
     Protocol (one line each): it prints ``ready <baseline>``, waits for any line
-    on stdin while sampling, then prints ``done <baseline> <peak> <samples>``.
+    on stdin while sampling, then prints ``done <baseline> <peak> <samples> <last>``, where ``<last>``
+    is the final sample: the memory still held once the measured call has returned.
     """
     import select
 
@@ -177,16 +178,18 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
         samples += 1
         peak = max(peak, value)
     # One last sample so that a peak at the very end is not missed.
-    peak = max(peak, sample())
-    print(f"done {baseline} {peak} {samples + 1}", flush=True)
+    last = sample()
+    peak = max(peak, last)
+    print(f"done {baseline} {peak} {samples + 1} {last}", flush=True)
 
 
 class MemorySampler:
     """Context manager measuring peak extra memory of ``root_pid``'s process tree.
 
     After the ``with`` block, ``baseline_bytes``, ``peak_bytes``,
-    ``peak_extra_bytes`` (peak minus baseline, never negative) and ``samples``
-    are set. The baseline is taken before ``__enter__`` returns. The sampler is
+    ``peak_extra_bytes`` (peak minus baseline, never negative), ``end_extra_bytes``
+    (the last sample minus baseline, never negative: what is still held when the
+    block ends) and ``samples`` are set. The baseline is taken before ``__enter__`` returns. The sampler is
     a plain subprocess running this file, so the caller needs no
     ``if __name__ == "__main__"`` guard (as it would with a spawned
     ``multiprocessing.Process``).
@@ -201,6 +204,7 @@ class MemorySampler:
         self.baseline_bytes = 0
         self.peak_bytes = 0
         self.peak_extra_bytes = 0
+        self.end_extra_bytes = 0
         self.samples = 0
         self._process: Optional[subprocess.Popen] = None
 
@@ -224,8 +228,9 @@ class MemorySampler:
             self._process.stdin.flush()
             line = self._process.stdout.readline().split()
             if line and line[0] == "done":
-                self.baseline_bytes, self.peak_bytes, self.samples = (int(x) for x in line[1:4])
+                self.baseline_bytes, self.peak_bytes, self.samples, last = (int(x) for x in line[1:5])
                 self.peak_extra_bytes = max(0, self.peak_bytes - self.baseline_bytes)
+                self.end_extra_bytes = max(0, last - self.baseline_bytes)
         finally:
             self._stop_process()
 
