@@ -61,8 +61,11 @@ class Inbox:
         except BaseException:
             self._listener.close()
             raise
+        # Mutated in place, never replaced: the finalizer closes what they hold
+        # if the inbox is garbage-collected unclosed.
         self._connections: List[socket.socket] = []
         self._received: Dict[Identity, int] = {}
+        self._finalizer = weakref.finalize(self, _release, self._listener, self._connections, self._received)
         _live.add(self)
 
     def take(self, identity: Identity) -> Optional[int]:
@@ -93,13 +96,7 @@ class Inbox:
         sockets: the kernel frees the descriptors they carry.
         """
         with self._lock:
-            self._listener.close()
-            for connection in self._connections:
-                connection.close()
-            self._connections = []
-            received, self._received = self._received, {}
-        for fd in received.values():
-            os.close(fd)
+            self._finalizer()
         _live.discard(self)
 
     # -- with the lock held ----------------------------------------------------
@@ -124,7 +121,9 @@ class Inbox:
         for connection in list(self._connections):
             while True:
                 try:
-                    message, fds, _, _ = socket.recv_fds(connection, _IDENTITY.size * _FDS_PER_MESSAGE, 253)
+                    message, fds, _, _ = socket.recv_fds(
+                        connection, _IDENTITY.size * _FDS_PER_MESSAGE, 253, socket.MSG_CMSG_CLOEXEC
+                    )
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:
@@ -148,6 +147,17 @@ class Inbox:
             if previous is not None:
                 os.close(previous)
             self._received[identity] = fd
+
+
+def _release(listener: socket.socket, connections: List[socket.socket], received: Dict[Identity, int]) -> None:
+    """Close an inbox's sockets and the descriptors it received."""
+    listener.close()
+    for connection in connections:
+        connection.close()
+    connections.clear()
+    for fd in received.values():
+        os.close(fd)
+    received.clear()
 
 
 def send(address: str, owner: int, files: Sequence[Tuple[int, Identity]]) -> None:
@@ -178,12 +188,7 @@ _live: weakref.WeakSet[Inbox] = weakref.WeakSet()
 def _close_inherited() -> None:
     for inbox in list(_live):
         inbox._lock = _forksafe.lock()
-        inbox._listener.close()
-        for connection in inbox._connections:
-            connection.close()
-        for fd in inbox._received.values():
-            os.close(fd)
-        inbox._connections, inbox._received = [], {}
+        inbox._finalizer()  # closes this process's copies only
     _live.clear()
 
 

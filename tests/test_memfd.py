@@ -492,3 +492,49 @@ def test_a_worker_refuses_to_send_to_an_inbox_its_parent_does_not_hold():
         inbox.close()
     with pytest.raises(ConnectionRefusedError):
         _handoff.send(inbox.address, os.getpid(), [])  # closed: the parent finished the call, or died
+
+
+def test_an_inbox_collected_unclosed_closes_what_it_received():
+    gc.collect()
+    before = len(memfds_held())
+    inbox = Inbox()
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SEND_THEN_DIE), inbox.address[1:], str(os.getpid()), "truth"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    inbox.discard([])
+    assert len(memfds_held()) == before + 1
+    del inbox
+    gc.collect()
+    assert len(memfds_held()) == before
+
+
+def shared_filled(n, value):
+    out = memshare.full(n, value)
+    return out, out[1:]  # two views of one array: one memfd, handed over once
+
+
+def _mapping_of(array):
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+    return ""
+
+
+def test_a_workers_shared_array_comes_back_as_its_own_pages(default_location):
+    gc.collect()
+    before = len(memfds_held())
+    results = Parallel(n_jobs=2)(delayed(shared_filled)(2**18, float(i)) for i in range(3))
+    for i, (whole, tail) in enumerate(results):
+        assert whole[0] == i and tail[-1] == i and tail.size == whole.size - 1
+        assert _mapping_of(whole).startswith("/memfd:memshare-shared-")  # the worker's memory, not a copy
+        whole[1] = -1.0
+        assert tail[0] == -1.0  # both views share it in the parent too
+    del results, whole, tail
+    gc.collect()
+    assert len(memfds_held()) == before
