@@ -387,3 +387,17 @@ def test_views_of_an_array_held_once_read_its_file():
     held = _promotion.lookup(owner)
     assert held is not None and {name for name, _ in results} == {held.ref.path}
     assert Parallel(n_jobs=2)(delayed(total)(v) for v in (x.T, x[::-1])) == [pytest.approx(x.sum())] * 2
+
+
+def test_unreadable_page_flags_mean_a_plain_dump_never_stale_data(monkeypatch):
+    x = big()
+    Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
+    assert _promotion.lookup(x) is not None
+
+    def unreadable(first_page, end):
+        raise PermissionError(13, "Permission denied: /proc/self/pagemap")
+
+    monkeypatch.setattr(_held_memory, "changed_pages", unreadable)
+    x[100_000] = -7.0
+    assert Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (100_000, 1)) == [-7.0, x[1]]
+    assert memshare.last_call_stats()["arrays_dumped"] == 1
