@@ -76,12 +76,15 @@ class _Registry:
     """
 
     def __init__(self) -> None:
-        self.lock = _forksafe.lock()
+        # Re-entrant: a shared or held array collected by the garbage collector
+        # while this thread holds the lock releases its memfd from a finalizer
+        # in the same thread.
+        self.lock = _forksafe.rlock()
         self.fds: Dict[str, int] = {}
         self.decision: Optional[Decision] = None
 
     def after_fork_in_child(self) -> None:
-        self.lock = _forksafe.lock()
+        self.lock = _forksafe.rlock()
         for fd in self.fds.values():
             try:
                 os.close(fd)

@@ -181,6 +181,7 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = _forksafe.lock()
+        self.promoting = _forksafe.lock()  # held for a whole promotion (see promote)
         self.held: IdentityTable[Held] = IdentityTable()
         # One folder per location (memfds, or named files in /dev/shm), made on
         # first use, so that a changed setting takes effect for later arrays
@@ -201,6 +202,19 @@ class _Registry:
             held.close()
 
     def promote(self, array: np.ndarray) -> Tuple[Held, float]:
+        """Hold ``array`` once, unless another thread just did; the record and the seconds taken.
+
+        Promotions are serialised: two pools or calls in two threads sending
+        the same new array must not both remap it (the first file would stay
+        mapped by nobody's record and never be freed).
+        """
+        with self.promoting:
+            held = self.lookup(array)
+            if held is not None:
+                return held, 0.0
+            return self._promote(array)
+
+    def _promote(self, array: np.ndarray) -> Tuple[Held, float]:
         """Write ``array`` into a new file and map the file under it; the record and the seconds taken.
 
         Raises ``OSError`` when shared memory has no room. The array's values

@@ -401,3 +401,24 @@ def test_unreadable_page_flags_mean_a_plain_dump_never_stale_data(monkeypatch):
     x[100_000] = -7.0
     assert Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (100_000, 1)) == [-7.0, x[1]]
     assert memshare.last_call_stats()["arrays_dumped"] == 1
+
+
+def test_two_threads_promoting_one_array_make_one_file(mechanism):
+    arrays = [big()]
+    barrier = threading.Barrier(2)
+    records = []
+
+    def promote():
+        barrier.wait()
+        records.append(_promotion.promote(arrays[0])[0])
+
+    threads = [threading.Thread(target=promote) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert records[0] is records[1] and held_files() == [records[0].ref.path]
+    arrays.clear()
+    records.clear()
+    gc.collect()
+    assert held_files() == []
