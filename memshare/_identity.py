@@ -11,7 +11,7 @@ reused. A long session over many short-lived arrays never grows the table.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Generic, Optional, Tuple, TypeVar
 
 Value = TypeVar("Value")
 
@@ -46,10 +46,6 @@ class IdentityTable(Generic[Value]):
                 on_collected(item[1])
 
         self._items[key] = (weakref.ref(obj, collected), value)
-
-    def values(self) -> List[Value]:
-        """The values of the objects still alive."""
-        return [value for ref, value in self._items.values() if ref() is not None]
 
     def remove(self, obj: object) -> None:
         """Drop the entry of ``obj`` (its callback will not run)."""

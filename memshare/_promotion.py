@@ -58,6 +58,7 @@ from ._compat import made_by_default_allocator
 from ._dumping import CHUNK_BYTES
 from ._folders import SHM_ROOT, Location, TempFolder, choose_location, delete_file, free_bytes, reserve
 from ._identity import IdentityTable
+from ._memfd import duplicate, is_memfd_path
 from ._refs import HELD, ArrayRef, data_address
 
 PAGE = _held_memory.PAGE
@@ -72,7 +73,6 @@ class Held:
     """One array held once: its file, and which part of its memory maps the file."""
 
     ref: ArrayRef  # the whole array in its file, mapped read-only by workers
-    fd: int  # open for rewrites; closed with the array
     address: int
     nbytes: int
     first_page: int  # [first_page, end_page) maps the file; the rest is ordinary memory
@@ -114,21 +114,44 @@ class Held:
             (self.address, self.first_page - self.address),
             (self.end_page, self.address + self.nbytes - self.end_page),
         ]
-        stale_edges = [(start, length) for start, length in edges if length and not self._edge_matches(start, length)]
-        if changed.size == 0 and not stale_edges:
-            return 0
-        with self._lock:
-            if self.pending or self.forks != _forks.count:
-                return None
-            for first, count in _held_memory.runs(changed):
-                start = self.first_page + first * PAGE
-                _held_memory.rewrite_then_drop(self.fd, self.file_offset(start), start, count * PAGE)
-            for start, length in stale_edges:
-                _held_memory.write_range(self.fd, self.file_offset(start), start, length)
+        try:
+            fd = self._open()
+        except OSError:
+            return None
+        try:
+            stale_edges = [
+                (start, length)
+                for start, length in edges
+                if length and not _held_memory.same_bytes(fd, self.file_offset(start), start, length)
+            ]
+            if changed.size == 0 and not stale_edges:
+                return 0
+            with self._lock:
+                if self.pending or self.forks != _forks.count:
+                    return None
+                for first, count in _held_memory.runs(changed):
+                    start = self.first_page + first * PAGE
+                    _held_memory.rewrite_then_drop(fd, self.file_offset(start), start, count * PAGE)
+                for start, length in stale_edges:
+                    _held_memory.write_range(fd, self.file_offset(start), start, length)
+        finally:
+            os.close(fd)
         return int(changed.size) * PAGE + sum(length for _, length in stale_edges)
 
-    def _edge_matches(self, start: int, length: int) -> bool:
-        return _held_memory.same_bytes(self.fd, self.file_offset(start), start, length)
+    def _open(self) -> int:
+        """A writable descriptor of the file, opened for one refresh.
+
+        Not kept between refreshes: a process holding many arrays once
+        would otherwise spend a descriptor on each (a memfd already costs
+        one, kept by ``_memfd``).
+        """
+        if is_memfd_path(self.ref.path):
+            return duplicate(self.ref.path)
+        fd = os.open(self.ref.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        if not self.ref.is_file(os.fstat(fd)):
+            os.close(fd)
+            raise FileNotFoundError(f"memshare: {self.ref.path!r} was replaced")
+        return fd
 
     def close(self) -> None:
         """The array is gone: free the file (workers drop their mappings when they see it gone).
@@ -138,7 +161,6 @@ class Held:
         """
         if os.getpid() != self.owner:
             return
-        os.close(self.fd)
         delete_file(self.ref.path)
 
 
@@ -259,17 +281,20 @@ class _Registry:
             os.close(fd)
             delete_file(path)
             raise
-        ref = ArrayRef.in_file(
-            path,
-            os.fstat(fd),
-            kind=HELD,
-            mode="r",
-            offset=head,
-            shape=tuple(array.shape),
-            strides=tuple(array.strides),
-            dtype=array.dtype,
-        )
-        held = Held(ref, fd, address, nbytes, first_page, end_page, _forks.count)
+        try:
+            ref = ArrayRef.in_file(
+                path,
+                os.fstat(fd),
+                kind=HELD,
+                mode="r",
+                offset=head,
+                shape=tuple(array.shape),
+                strides=tuple(array.strides),
+                dtype=array.dtype,
+            )
+        finally:
+            os.close(fd)  # the file lives on: a memfd is held by _memfd, a named file by its name
+        held = Held(ref, address, nbytes, first_page, end_page, _forks.count)
         with self.lock:
             self.held.add(array, held, Held.close)
         return held, time.perf_counter() - started
@@ -291,14 +316,9 @@ _forks = _ForkCount()
 
 
 def _reset_after_fork() -> None:
-    """In a forked child: forget the parent's arrays held once, closing the child's copies of their descriptors."""
+    """In a forked child: forget the parent's arrays held once (the child's memfd copies are closed by _memfd)."""
     global _registry
-    inherited, _registry = _registry, _Registry()
-    for held in inherited.held.values():
-        try:
-            os.close(held.fd)
-        except OSError:
-            pass
+    _registry = _Registry()
 
 
 if hasattr(os, "register_at_fork"):

@@ -422,3 +422,15 @@ def test_two_threads_promoting_one_array_make_one_file(mechanism):
     records.clear()
     gc.collect()
     assert held_files() == []
+
+
+def test_an_array_held_once_costs_at_most_one_descriptor(mechanism):
+    arrays = [big(34, seed=seed) for seed in range(6)]
+    before = len(os.listdir("/proc/self/fd"))
+    for x in arrays:
+        _promotion.promote(x)
+    grown = len(os.listdir("/proc/self/fd")) - before
+    assert grown == (len(arrays) if mechanism == "memfd" else 0)
+    arrays.clear()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
