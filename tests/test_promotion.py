@@ -352,6 +352,17 @@ def test_arrays_that_cannot_be_held_once_are_dumped_and_the_log_says_why(make, k
     assert any("not held once" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
+def test_memory_of_another_allocator_is_dumped(monkeypatch, caplog):
+    # numpy lets a library plug in its own allocator (NEP 49); memory that
+    # numpy's default one did not make is never remapped.
+    monkeypatch.setattr(_promotion, "made_by_default_allocator", lambda array: False)
+    x = big()
+    with caplog.at_level(logging.DEBUG, logger="memshare"):
+        Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
+    assert _promotion.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert any("NumPy's default allocator" in r.getMessage() for r in caplog.records)
+
+
 def test_an_explicit_temp_folder_keeps_the_plain_dump(tmp_path):
     x = big()
     with MemmappingPool(2, temp_folder=str(tmp_path)) as pool:
