@@ -3,10 +3,12 @@
 Each run is a fresh interpreter that warms its two workers up, then times
 the two calls. Runs alternate between the settings, so that a slow phase of
 a shared machine weighs on all of them alike; medians are reported. The
-small setting mounts 64 MB tmpfs on /dev/shm and /tmp in a private mount
-namespace (``unshare -m``, root only), as a container with Docker's
-defaults has. The read-only setting mounts read-only tmpfs over /dev/shm
-and /tmp once the workers are up (Python's multiprocessing needs a writable
+small setting mounts 64 MB tmpfs on /dev/shm and on the temp dir in a
+private mount namespace (``unshare -m``, root only), as a container with
+Docker's defaults has. The temp dir is a fresh folder that TMPDIR points at,
+not /tmp itself, which may hold this checkout or its virtual environment.
+The read-only setting mounts read-only tmpfs over /dev/shm and the temp dir
+once the workers are up (Python's multiprocessing needs a writable
 /dev/shm for its semaphores, memshare does not), so memshare has no
 writable folder at all. ``roomy, named files`` is the same run on the roomy
 machine with memfds turned off (``MEMSHARE_MEMFD=0``): the mechanism
@@ -22,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 RUN = r"""
-import ctypes, json, os, time, warnings
+import ctypes, json, os, tempfile, time, warnings
 import numpy as np
 import memshare
 from memshare import Parallel, delayed
@@ -44,7 +48,7 @@ with warnings.catch_warnings(record=True) as caught:
     Parallel(n_jobs=2)(delayed(abs)(i) for i in range(4))  # workers up
     if os.environ.get("BENCH_READ_ONLY"):
         libc = ctypes.CDLL(None, use_errno=True)
-        for path in (b"/dev/shm", b"/tmp"):
+        for path in (b"/dev/shm", tempfile.gettempdir().encode()):
             if libc.mount(b"tmpfs", path, b"tmpfs", 1, b"size=1m") != 0:  # 1: MS_RDONLY
                 raise OSError(ctypes.get_errno(), "mount")
     started = time.perf_counter()
@@ -63,31 +67,24 @@ print(json.dumps({
 }))
 """
 
-SETTINGS = {
-    "roomy /dev/shm": ([], {}),
-    "64 MB /dev/shm and /tmp": (
-        [
-            "unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            'mount -t tmpfs -o size=64m tmpfs /dev/shm && mount -t tmpfs -o size=64m tmpfs /tmp && exec "$0" "$@"',
-        ],
-        {},
-    ),
-    "read-only /dev/shm and /tmp": (
-        ["unshare", "-m", "--propagation", "private"],
-        {"BENCH_READ_ONLY": "1"},
-    ),
-    "roomy, named files": ([], {"MEMSHARE_MEMFD": "0"}),
-}
+
+def settings(temp: str) -> dict:
+    """Name -> (command prefix, extra environment) of each setting, with the temp dir at ``temp``."""
+    small = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && mount -t tmpfs -o size=64m tmpfs {temp}"
+    return {
+        "roomy /dev/shm": ([], {}),
+        "64 MB /dev/shm and temp dir": (
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", small + ' && exec "$0" "$@"'],
+            {},
+        ),
+        "read-only /dev/shm and temp dir": (["unshare", "-m", "--propagation", "private"], {"BENCH_READ_ONLY": "1"}),
+        "roomy, named files": ([], {"MEMSHARE_MEMFD": "0"}),
+    }
 
 
-def run_once(prefix, extra_env) -> dict:
+def run_once(prefix, extra_env, temp: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER")}
-    env.update(extra_env, TMPDIR="/tmp")
+    env.update(extra_env, TMPDIR=temp)
     done = subprocess.run(prefix + [sys.executable, "-c", RUN], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -96,11 +93,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=7)
     options = parser.parse_args()
-    runs = {name: [] for name in SETTINGS}
-    for repeat in range(options.repeats):
-        for name, (prefix, env) in SETTINGS.items():
-            runs[name].append(run_once(prefix, env))
-            print(f"repeat {repeat + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+    temp = tempfile.mkdtemp(prefix="bench-small-tmp-")
+    try:
+        chosen = settings(temp)
+        runs = {name: [] for name in chosen}
+        for repeat in range(options.repeats):
+            for name, (prefix, env) in chosen.items():
+                runs[name].append(run_once(prefix, env, temp))
+                print(f"repeat {repeat + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     roomy_total = statistics.median(r["chunks"] + r["results"] for r in runs["roomy /dev/shm"])
     print(
         "| setting | chunks (512 MiB, 64 tasks) | results (4 x 128 MiB) | total | total / roomy | warnings, "

@@ -278,7 +278,7 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
 
 
 SMALL_MOUNTS_RUN = """
-    import os, warnings
+    import os, tempfile, warnings
     import numpy as np
     import memshare
     from memshare import Parallel, delayed
@@ -303,14 +303,17 @@ SMALL_MOUNTS_RUN = """
     print("SENT", sent, sent_bytes // 2**20, "FALLBACK", stats["fallback_files"])
     print("RESULTS", back["results_by_reference"], back["bytes_results_by_reference"] // 2**20,
           "FALLBACK", back["fallback_files"], "PICKLED", back["results_pickled_no_room"])
-    print("LEFT", sorted(os.listdir("/dev/shm")), sorted(os.listdir("/tmp")))
+    print("LEFT", sorted(os.listdir("/dev/shm")), sorted(os.listdir(tempfile.gettempdir())))
 """
 
 
 @pytest.mark.parametrize("promote", ["1", "0"], ids=["held-once", "dumped"])
-def test_a_64_mb_shm_and_temp_dir_change_nothing(promote):
+def test_a_64_mb_shm_and_temp_dir_change_nothing(promote, tmp_path):
+    temp = _temp_dir(tmp_path)
     result = run_with_private_mounts(
-        SMALL_MOUNTS_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"}, extra_env={"MEMSHARE_PROMOTE": promote}
+        SMALL_MOUNTS_RUN,
+        {"/dev/shm": "size=64m", temp: "size=64m"},
+        extra_env={"MEMSHARE_PROMOTE": promote, "TMPDIR": temp},
     )
     assert result.returncode == 0, result.stderr
     assert "SENT 1 512 FALLBACK 0" in result.stdout
@@ -319,13 +322,24 @@ def test_a_64_mb_shm_and_temp_dir_change_nothing(promote):
     assert "Warning" not in result.stderr
 
 
+def _temp_dir(tmp_path) -> str:
+    """A folder to mount the small temp dir on, and to point TMPDIR at.
+
+    Not /tmp itself: a checkout or virtual environment under /tmp (CI may
+    clone there) would vanish under the mount, and the interpreter with it.
+    """
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return str(folder)
+
+
 def _only_loky_semaphores(stdout):
     line = next(line for line in stdout.splitlines() if line.startswith("LEFT"))
     return "memshare" not in line
 
 
 READ_ONLY_RUN = """
-    import ctypes, os
+    import ctypes, os, tempfile
     import numpy as np
     import memshare
     from memshare import MemmappingPool, Parallel, delayed
@@ -344,8 +358,8 @@ READ_ONLY_RUN = """
     Parallel(n_jobs=2)(delayed(chunk_sum)(X, 0) for _ in range(2))
     with MemmappingPool(2) as pool:
         pool.starmap(chunk_sum, [(X, 0)])
-        read_only("/dev/shm"); read_only("/tmp")
-        for path in ("/dev/shm/x", "/tmp/x"):
+        read_only("/dev/shm"); read_only(tempfile.gettempdir())
+        for path in ("/dev/shm/x", os.path.join(tempfile.gettempdir(), "x")):
             try:
                 open(path, "w")
             except OSError as exc:
@@ -366,12 +380,15 @@ READ_ONLY_RUN = """
 
 
 @pytest.mark.parametrize("promote", ["1", "0"], ids=["held-once", "dumped"])
-def test_read_only_shm_and_temp_dir_still_share_through_memory(promote):
+def test_read_only_shm_and_temp_dir_still_share_through_memory(promote, tmp_path):
+    temp = _temp_dir(tmp_path)
     result = run_with_private_mounts(
-        READ_ONLY_RUN, {"/dev/shm": "size=64m", "/tmp": "size=64m"}, extra_env={"MEMSHARE_PROMOTE": promote}
+        READ_ONLY_RUN,
+        {"/dev/shm": "size=64m", temp: "size=64m"},
+        extra_env={"MEMSHARE_PROMOTE": promote, "TMPDIR": temp},
     )
     assert result.returncode == 0, result.stderr
-    assert "READ-ONLY /dev/shm/x 30" in result.stdout and "READ-ONLY /tmp/x 30" in result.stdout
+    assert "READ-ONLY /dev/shm/x 30" in result.stdout and f"READ-ONLY {temp}/x 30" in result.stdout
     # Results: an array and a handed-over shared array per task (the pool's figures count its first task too).
     # X goes through memory in every call: dumped once per call, or held once since the first call, before
     # the mounts became read-only (so no call after that writes it again).
