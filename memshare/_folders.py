@@ -462,11 +462,24 @@ class TempFolder:
         # (for a result) before the owner does, and it must still be cleaned.
         for path in paths:
             _state.watchdog.register(path)
-        self._finalizer = weakref.finalize(self, _remove_paths, paths)
+        self._finalizer = weakref.finalize(self, _remove_own_paths, os.getpid(), paths)
 
     def remove(self) -> None:
-        """Delete the folders and everything in them."""
+        """Delete the folders and everything in them (in the process that made them; see below)."""
         self._finalizer()
+
+
+def _remove_own_paths(owner: int, paths: List[str]) -> None:
+    """A :class:`TempFolder`'s removal: only in the process that made it.
+
+    A forked child inherits its parent's TempFolder objects; when it drops
+    one (its copy of a registry reset after the fork, say) or closes an
+    inherited session, the folder is still the parent's and in use. Old loky
+    releases start every worker with fork() then exec(), so this runs in
+    every such worker for a moment.
+    """
+    if os.getpid() == owner:
+        _remove_paths(paths)
 
 
 def list_folders(bases) -> List[Tuple[str, Owner]]:

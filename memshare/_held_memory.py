@@ -178,6 +178,38 @@ def _anonymous_extent(start: int) -> Optional[int]:
     return end
 
 
+def mapped_privately_elsewhere(device: int, inode: int) -> bool:
+    """True when another process maps the file ``(device, inode)`` privately: a forked copy of an array held once.
+
+    A child forked while the parent held an array once shares the file's
+    pages for every page neither has written since; rewriting the file in
+    place would change the child's view. Workers map the file shared, so a
+    private mapping elsewhere means such a child (or a copy-on-write task
+    still running, which is as unsafe). Processes of other users cannot be
+    read and cannot be this process's children either; a child that has
+    since called exec() or exited maps nothing.
+    """
+    wanted = (f"{os.major(device):02x}:{os.minor(device):02x}".encode(), str(inode).encode())
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # cannot tell: assume the worst
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as maps:
+                lines = maps.read().splitlines()
+        except OSError:
+            continue  # gone, or another user's
+        for line in lines:
+            fields = line.split(None, 5)
+            if len(fields) >= 5 and (fields[3], fields[4]) == wanted and fields[1].endswith(b"p"):
+                return True
+    return False
+
+
 def map_count_room(needed: int) -> bool:
     """True when this process can create ``needed`` more mappings (vm.max_map_count)."""
     try:

@@ -22,9 +22,11 @@ Why it stays correct:
   can interleave with (``_held_memory``). The first and last pages, partly
   outside the array, stay ordinary memory and are compared byte by byte.
 * The file is rewritten in place only when no task that reads it is
-  pending and the process has not forked since promotion (a forked child's
-  untouched pages read the file, so a rewrite would reach into the child);
-  otherwise the call gets an ordinary dump, as without promotion.
+  pending and no forked child still maps it privately (a child forked
+  while the array was held once reads the file for every page neither has
+  written, so a rewrite would reach into the child; looked for in
+  ``/proc/*/maps`` only after a fork); otherwise the call gets an ordinary
+  dump, as without promotion.
 * When the array is freed, NumPy's ``free()`` unmaps the whole malloc chunk,
   the file mapping with it; the weak reference callback closes and deletes
   the file, and workers drop their mappings when they see it gone.
@@ -77,7 +79,7 @@ class Held:
     nbytes: int
     first_page: int  # [first_page, end_page) maps the file; the rest is ordinary memory
     end_page: int
-    forks: int  # the process's fork count at promotion
+    forks: int  # the process's fork count when no forked copy of the array was last seen
     owner: int = field(default_factory=os.getpid)  # a forked child must not free the parent's file
     pending: int = 0  # tasks in flight (any pool or call) that read the file
     _lock: object = field(default_factory=_forksafe.lock, repr=False)
@@ -127,7 +129,7 @@ class Held:
             if changed.size == 0 and not stale_edges:
                 return 0
             with self._lock:
-                if self.pending or self.forks != _forks.count:
+                if self.pending or not self._no_forked_copy():
                     return None
                 for first, count in _held_memory.runs(changed):
                     start = self.first_page + first * PAGE
@@ -137,6 +139,21 @@ class Held:
         finally:
             os.close(fd)
         return int(changed.size) * PAGE + sum(length for _, length in stale_edges)
+
+    def _no_forked_copy(self) -> bool:
+        """True when no forked process still shares the file's pages privately (with the lock held).
+
+        Only looked for when the process forked since the last look: old loky
+        releases start every worker with fork() then exec(), which leaves no
+        copy behind, and a child that exits leaves none either.
+        """
+        if self.forks == _forks.count:
+            return True
+        count = _forks.count
+        if _held_memory.mapped_privately_elsewhere(self.ref.device, self.ref.inode):
+            return False
+        self.forks = count
+        return True
 
     def _open(self) -> int:
         """A writable descriptor of the file, opened for one refresh.

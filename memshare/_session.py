@@ -348,7 +348,7 @@ class Session:
                     NOT_HELD_ONCE,
                     array,
                     "dumped instead: its file cannot be brought up to date in place "
-                    "(a task still reads it, or the process forked since)",
+                    "(a task still reads it, or a forked child still shares its pages)",
                 )
                 return None
             self.stats.add(bytes_refreshed=rewritten)

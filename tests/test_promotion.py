@@ -198,10 +198,11 @@ def test_a_parent_write_during_a_call_stays_private_to_the_parent(tmp_path):
     assert x[1000] == 12345.0
 
 
-def test_a_forked_childs_write_leaves_the_parents_values_unchanged():
+def test_a_forked_childs_write_leaves_the_parents_values_unchanged(mechanism):
     x = big()
     Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (0, 1))
-    assert _promotion.lookup(x) is not None
+    held = _promotion.lookup(x)
+    assert held is not None
     expected = x.copy()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -210,6 +211,13 @@ def test_a_forked_childs_write_leaves_the_parents_values_unchanged():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     np.testing.assert_array_equal(x, expected)
+    # The child dropped its copy of the registry without freeing the parent's file (old loky releases
+    # fork every worker this way before exec): the next call still reads it.
+    assert held_files() == [held.ref.path]
+    x[100_000] = -5.0
+    assert Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (100_000, 0)) == [-5.0, x[0]]
+    # The child is gone, so nothing else shares the file's pages: the change was written in place.
+    assert memshare.last_call_stats()["arrays_dumped"] == 0 and memshare.last_call_stats()["bytes_refreshed"] > 0
 
 
 def test_a_change_after_a_fork_is_dumped_so_the_childs_view_stays_as_at_the_fork():
