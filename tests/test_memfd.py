@@ -292,6 +292,8 @@ SMALL_MOUNTS_RUN = """
     X = np.ones((64, 512 * 2**20 // 8 // 64))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # joblib 1.3 on Python 3.12 uses the deprecated ast.Num: not memshare's warning.
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="joblib")
         sums = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(64))
         stats = memshare.last_call_stats()
         results = Parallel(n_jobs=2)(delayed(result)(i) for i in range(4))

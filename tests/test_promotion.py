@@ -29,8 +29,19 @@ MIB = 1024**2
 
 
 def big(mib=48, seed=0):
-    """A fresh array large enough that glibc serves it with a mapping of its own (above 32 MiB)."""
-    return np.random.default_rng(seed).random(mib * MIB // 8)
+    """A fresh array that glibc served with a mapping of its own, so that it can be held once.
+
+    glibc maps a large allocation on its own unless freed heap memory (left
+    by earlier tests of this process) can take it; such an array is rightly
+    dumped instead, so it is kept aside while another is allocated.
+    """
+    heap_served = []
+    for _ in range(64):
+        array = np.random.default_rng(seed).random(mib * MIB // 8)
+        if _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes) is None:
+            return array
+        heap_served.append(array)
+    raise AssertionError("glibc never served a large array with a mapping of its own")
 
 
 def value_at(x, i):
