@@ -1,4 +1,4 @@
-"""A 512 MiB chunk workload, then 4 x 128 MiB results: small or read-only mounts against a roomy machine.
+"""A 512 MiB chunk workload, then 4 x 128 MiB results: Docker's 64 MB /dev/shm against a roomy machine.
 
 Each run is a fresh interpreter that warms its two workers up, then times
 the two calls. Runs alternate between the settings, so that a slow phase of
@@ -7,11 +7,7 @@ small setting mounts 64 MB tmpfs on /dev/shm and on the temp dir in a
 private mount namespace (``unshare -m``, root only), as a container with
 Docker's defaults has. The temp dir is a fresh folder that TMPDIR points at,
 not /tmp itself, which may hold this checkout or its virtual environment.
-The read-only setting mounts read-only tmpfs over /dev/shm and the temp dir
-once the workers are up (Python's multiprocessing needs a writable
-/dev/shm for its semaphores, memshare does not), so memshare has no
-writable folder at all. ``roomy, named files`` is the same run on the roomy
-machine with memfds turned off (``MEMSHARE_MEMFD=0``): the mechanism
+``roomy, named files`` is the same run on the roomy machine with memfds turned off (``MEMSHARE_MEMFD=0``): the mechanism
 memshare used before memfds.
 
 Usage (from the repository root, as root)::
@@ -31,7 +27,7 @@ import sys
 import tempfile
 
 RUN = r"""
-import ctypes, json, os, tempfile, time, warnings
+import json, time, warnings
 import numpy as np
 import memshare
 from memshare import Parallel, delayed
@@ -46,11 +42,6 @@ X = np.ones((64, 512 * 2**20 // 8 // 64))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     Parallel(n_jobs=2)(delayed(abs)(i) for i in range(4))  # workers up
-    if os.environ.get("BENCH_READ_ONLY"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        for path in (b"/dev/shm", tempfile.gettempdir().encode()):
-            if libc.mount(b"tmpfs", path, b"tmpfs", 1, b"size=1m") != 0:  # 1: MS_RDONLY
-                raise OSError(ctypes.get_errno(), "mount")
     started = time.perf_counter()
     sums = Parallel(n_jobs=2)(delayed(chunk_sum)(X, i) for i in range(64))
     chunks = time.perf_counter() - started
@@ -77,7 +68,6 @@ def settings(temp: str) -> dict:
             ["unshare", "-m", "--propagation", "private", "sh", "-c", small + ' && exec "$0" "$@"'],
             {},
         ),
-        "read-only /dev/shm and temp dir": (["unshare", "-m", "--propagation", "private"], {"BENCH_READ_ONLY": "1"}),
         "roomy, named files": ([], {"MEMSHARE_MEMFD": "0"}),
     }
 
