@@ -32,14 +32,36 @@ static int write_all(int fd, const char *address, Py_ssize_t length, long long o
     return 0;
 }
 
-static int parse(PyObject *args, int *fd, long long *offset, unsigned long long *address, Py_ssize_t *length) {
-    if (!PyArg_ParseTuple(args, "iLKn", fd, offset, address, length))
-        return -1;
-    if (*length < 0 || *offset < 0) {
+/* The second step, on the same whole pages: 0 on success, -1 with errno set. */
+typedef int (*second_step)(void *address, size_t length, int fd, off_t offset);
+
+static int remap_private(void *address, size_t length, int fd, off_t offset) {
+    void *mapped = mmap(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, offset);
+    return mapped == MAP_FAILED ? -1 : 0;
+}
+
+static int drop_private_copies(void *address, size_t length, int fd, off_t offset) {
+    (void)fd;
+    (void)offset;
+    return madvise(address, length, MADV_DONTNEED);
+}
+
+/* Parse (fd, file_offset, address, length), write the memory into the file, then run ``then``. */
+static PyObject *write_then(PyObject *args, second_step then) {
+    int fd;
+    long long offset;
+    unsigned long long address;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "iLKn", &fd, &offset, &address, &length))
+        return NULL;
+    if (length < 0 || offset < 0) {
         PyErr_SetString(PyExc_ValueError, "negative length or offset");
-        return -1;
+        return NULL;
     }
-    return 0;
+    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0 ||
+        then((void *)(uintptr_t)address, (size_t)length, fd, (off_t)offset) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(copy_then_remap_doc,
@@ -47,40 +69,14 @@ PyDoc_STRVAR(copy_then_remap_doc,
              "Write the memory [address, address + length) into fd at file_offset, then map that\n"
              "part of the file privately over the same memory (whole pages, congruent offsets).");
 
-static PyObject *copy_then_remap(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset;
-    unsigned long long address;
-    Py_ssize_t length;
-    if (parse(args, &fd, &offset, &address, &length) < 0)
-        return NULL;
-    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    void *mapped = mmap((void *)(uintptr_t)address, (size_t)length, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_FIXED, fd, (off_t)offset);
-    if (mapped == MAP_FAILED)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
+static PyObject *copy_then_remap(PyObject *self, PyObject *args) { return write_then(args, remap_private); }
 
 PyDoc_STRVAR(rewrite_then_drop_doc,
              "rewrite_then_drop(fd, file_offset, address, length)\n\n"
              "Write the memory [address, address + length) into fd at file_offset, then drop the\n"
              "private copies of those pages so that they read the file again (whole pages).");
 
-static PyObject *rewrite_then_drop(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset;
-    unsigned long long address;
-    Py_ssize_t length;
-    if (parse(args, &fd, &offset, &address, &length) < 0)
-        return NULL;
-    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    if (madvise((void *)(uintptr_t)address, (size_t)length, MADV_DONTNEED) != 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
+static PyObject *rewrite_then_drop(PyObject *self, PyObject *args) { return write_then(args, drop_private_copies); }
 
 static PyMethodDef methods[] = {
     {"copy_then_remap", copy_then_remap, METH_VARARGS, copy_then_remap_doc},
