@@ -12,9 +12,16 @@ temp folder, the user's iterable raising) are caught here and the task
 travels as an :class:`Unsent` placeholder, which the worker returns at once
 and the result thread turns back into the original exception object (it
 never crosses a process boundary, so it need not be picklable). After a
-failure, a ``map`` call sends a placeholder for each remaining item, because
+failure, a ``map`` call sends a placeholder for each remaining chunk, because
 its result waits for every chunk; an ``imap`` call stops there, as the
 standard pool does when the iterable raises.
+
+Chunks: the standard pool sends ``chunksize`` items as one message. Here a
+chunk is one task too: a :class:`MapChunk` packed with all its items in one
+pass of memshare's pickler, so each array in it is still routed (an array
+repeated across items or chunks is dumped once, by the session), and the
+function is pickled once per chunk instead of once per item. The worker
+returns the chunk's values as one list; the pool joins the lists.
 """
 
 from __future__ import annotations
@@ -36,6 +43,23 @@ class Unsent:
     key: int  # identifies the failure in the parent's TaskFeed
 
 
+@dataclass(frozen=True)
+class MapChunk:
+    """The function a chunk of a ``map`` runs in the worker: ``func`` over each item, in order.
+
+    As in the standard pool, the first item that raises fails the whole chunk
+    (and so its ``map`` call) with that exception.
+    """
+
+    func: Callable
+    star: bool  # items are argument tuples (``starmap``)
+
+    def __call__(self, items: List) -> List:
+        if self.star:
+            return [self.func(*item) for item in items]
+        return [self.func(item) for item in items]
+
+
 def run_or_return(task: Any) -> Any:
     """The function pool workers run: a task, or a placeholder returned as it is."""
     if isinstance(task, Unsent):
@@ -44,21 +68,24 @@ def run_or_return(task: Any) -> Any:
 
 
 class _FillingTasks(Sized):
-    """The packed tasks of a ``map`` call: one per item, placeholders after a failure."""
+    """The packed tasks of a ``map`` call: one per chunk, placeholders after a failure."""
 
-    def __init__(self, feed: TaskFeed, func: Callable, items: List, star: bool) -> None:
+    def __init__(self, feed: TaskFeed, func: Callable, items: List, star: bool, chunksize: int) -> None:
         self._feed, self._func, self._items, self._star = feed, func, items, star
+        self._chunksize = chunksize
 
     def __len__(self) -> int:
-        return len(self._items)
+        return -(-len(self._items) // self._chunksize)
 
     def __iter__(self) -> Iterator:
-        for index, item in enumerate(self._items):
+        chunks = len(self)
+        for index in range(chunks):
+            start = index * self._chunksize
             try:
-                task = self._feed.pack(self._func, item, self._star)
+                task = self._feed.pack_chunk(self._func, self._items[start : start + self._chunksize], self._star)
             except BaseException as exc:  # this thread has nobody to raise to
-                placeholder = self._feed.failed(exc, count=len(self._items) - index)
-                for _ in range(index, len(self._items)):
+                placeholder = self._feed.failed(exc, count=chunks - index)
+                for _ in range(index, chunks):
                     yield placeholder
                 return
             yield task
@@ -75,8 +102,13 @@ class TaskFeed:
         self._failures: Dict[int, list] = {}
 
     def pack(self, func: Callable, item: Any, star: bool) -> Task:
+        """One item as a task of its own."""
         args = tuple(item) if star else (item,)
         return self.session.pack_task(func, args)
+
+    def pack_chunk(self, func: Callable, items: List, star: bool) -> Task:
+        """Several items as one task, whose value is the list of their values."""
+        return self.session.pack_task(MapChunk(func, star), (list(items),))
 
     def failed(self, exc: BaseException, count: int) -> Unsent:
         """Record ``exc`` for ``count`` placeholders about to be sent; return the placeholder."""
@@ -85,27 +117,33 @@ class TaskFeed:
             self._failures[key] = [exc, count]
         return Unsent(key)
 
-    def fill(self, func: Callable, items: List, star: bool) -> Sized:
-        """The tasks of a ``map`` over ``items``: exactly one per item, whatever fails."""
-        return _FillingTasks(self, func, items, star)
+    def fill(self, func: Callable, items: List, star: bool, chunksize: int) -> Sized:
+        """The tasks of a ``map`` over ``items``: exactly one per chunk of ``chunksize`` items, whatever fails."""
+        return _FillingTasks(self, func, items, star, chunksize)
 
-    def lazy(self, func: Callable, iterable: Iterable, star: bool) -> Iterator:
-        """The tasks of an ``imap``: packed as consumed, ending with a placeholder at the first failure."""
+    def lazy(self, func: Callable, iterable: Iterable, star: bool, chunksize: int = 1) -> Iterator:
+        """The tasks of an ``imap``: packed as consumed, ending with a placeholder at the first failure.
+
+        With ``chunksize`` 1 each item is a task whose value is the item's
+        value; above, each chunk is a task whose value is a list.
+        """
         iterator = iter(iterable)
         while True:
             try:
-                item = next(iterator)
-            except StopIteration:
-                return
+                items = list(itertools.islice(iterator, chunksize))
             except BaseException as exc:  # the user's iterable raised: fail at this position
                 yield self.failed(exc, count=1)
                 return
+            if not items:
+                return
             try:
-                task = self.pack(func, item, star)
+                task = self.pack(func, items[0], star) if chunksize == 1 else self.pack_chunk(func, items, star)
             except BaseException as exc:
                 yield self.failed(exc, count=1)
                 return
             yield task
+            if len(items) < chunksize:
+                return
 
     # -- on the pool's result thread ---------------------------------------------
 

@@ -33,7 +33,8 @@ class CallStats:
     """Figures of one pool or call (a managed context counts as one).
 
     Arrays are counted once each, however many tasks use them; ``tasks``
-    counts submitted tasks (joblib batches count as one task each).
+    counts submitted tasks (joblib batches and the chunks of a pool's ``map`` count as
+    one task each).
     """
 
     arrays_dumped: int = 0

@@ -33,6 +33,7 @@ from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
 from ._owners import owner_identity
 from ._pool_args import (
+    check_chunksize,
     check_context_id,
     check_max_nbytes,
     check_prewarm,
@@ -41,6 +42,7 @@ from ._pool_args import (
     check_temp_folder,
     check_verbose,
     resolve_context,
+    worker_process,
 )
 from ._reducers import Reducers
 from ._session import Session
@@ -163,7 +165,7 @@ class MemmappingPool(Pool):
         self._monitor.start()
 
     def Process(self, ctx, *args, **kwds):  # noqa: N802 (Pool's name)
-        process = super().Process(ctx, *args, **kwds)
+        process = worker_process(ctx, *args, **kwds)
         with self._started_lock:
             self._started.append(process)
         self._wake()
@@ -207,34 +209,48 @@ class MemmappingPool(Pool):
 
     def imap(self, func, iterable, chunksize=1, progress=False):
         """``Pool.imap``; with ``progress=True`` the result is a generator that drives a tqdm bar."""
-        self._check_usable()
-        self._session.new_generation()
-        results = super().imap(run_or_return, self._feed.lazy(func, iterable, star=False), chunksize)
-        return _progress(results, _length(iterable)) if progress else results
+        return self._imap(super().imap, func, iterable, chunksize, progress)
 
     def imap_unordered(self, func, iterable, chunksize=1, progress=False):
         """``Pool.imap_unordered``; ``progress=True`` as for :meth:`imap`."""
+        return self._imap(super().imap_unordered, func, iterable, chunksize, progress)
+
+    def _imap(self, imap, func, iterable, chunksize, progress):
+        chunksize = check_chunksize(chunksize)
         self._check_usable()
         self._session.new_generation()
-        results = super().imap_unordered(run_or_return, self._feed.lazy(func, iterable, star=False), chunksize)
+        results = imap(run_or_return, self._feed.lazy(func, iterable, False, chunksize), 1)
+        if chunksize > 1:  # each result is a chunk's list, as in the standard pool
+            results = (value for chunk in results for value in chunk)
         return _progress(results, _length(iterable)) if progress else results
 
     def _with_progress(self, func, iterable, chunksize, star):
-        # Per-task completion is only visible through imap; the chunking and
+        # Per-chunk completion is only visible through imap; the chunking and
         # ordering of map are kept.
         self._check_usable()
         self._session.new_generation()
         items = list(iterable)
-        if chunksize is None:
-            chunksize = max(1, len(items) // (4 * pool_size(self)) + bool(len(items) % (4 * pool_size(self))))
-        tasks = self._feed.lazy(func, items, star)
-        return list(_progress(super().imap(run_or_return, tasks, chunksize), len(items)))
+        chunksize = self._map_chunksize(len(items), chunksize)
+        chunks = super().imap(run_or_return, self._feed.fill(func, items, star, chunksize), 1)
+        return list(_progress((value for chunk in chunks for value in chunk), len(items)))
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
         self._check_usable()
         self._session.new_generation()
-        tasks = self._feed.fill(func, list(iterable), star)
-        return super().map_async(run_or_return, tasks, chunksize, callback, error_callback)
+        items = list(iterable)
+        chunksize = self._map_chunksize(len(items), chunksize)
+        tasks = self._feed.fill(func, items, star, chunksize)
+        # One task per chunk, whose value is the chunk's list: the standard
+        # result object collects the lists, ChunkedMapResult joins them.
+        joined_callback = None if callback is None else (lambda chunks: callback(_join(chunks)))
+        return ChunkedMapResult(super().map_async(run_or_return, tasks, 1, joined_callback, error_callback))
+
+    def _map_chunksize(self, length: int, chunksize: Optional[int]) -> int:
+        """``chunksize``, or the standard pool's default: about four chunks per worker."""
+        if chunksize is not None:
+            return check_chunksize(chunksize)
+        chunks, extra = divmod(length, 4 * pool_size(self))
+        return max(1, chunks + bool(extra))
 
     # -- results -----------------------------------------------------------------
 
@@ -388,6 +404,32 @@ class MemmappingPool(Pool):
     def _fail_pending(self, error: BaseException) -> None:
         for result in pending_pool_results(self):
             fail_pool_result(result, error)
+
+
+class ChunkedMapResult:
+    """The result of ``map_async``/``starmap_async``: the standard result object, with the chunks' lists joined.
+
+    It has the methods of :class:`multiprocessing.pool.AsyncResult`.
+    """
+
+    def __init__(self, chunks: Any) -> None:
+        self._chunks = chunks
+
+    def ready(self) -> bool:
+        return self._chunks.ready()
+
+    def successful(self) -> bool:
+        return self._chunks.successful()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._chunks.wait(timeout)
+
+    def get(self, timeout: Optional[float] = None) -> list:
+        return _join(self._chunks.get(timeout))
+
+
+def _join(chunks: list) -> list:
+    return [value for chunk in chunks for value in chunk]
 
 
 def _length(iterable: Any) -> Optional[int]:

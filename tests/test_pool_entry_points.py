@@ -1,0 +1,68 @@
+"""``MemmappingPool`` runs wherever the standard pool runs: scripts from a file, from standard input, from ``-c``.
+
+Under forkserver and spawn a worker re-runs the parent's ``__main__`` from its file; a script piped to the
+interpreter has no file (its ``__file__`` is ``'<stdin>'``), and must still work, with functions of ``__main__``
+sent by value.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from memshare import MemmappingPool
+
+    def add_one(x):
+        return x + 1
+
+    if __name__ == "__main__":
+        with MemmappingPool(2, context={context!r}, maxtasksperchild={maxtasks}) as pool:
+            print(pool.map(add_one, range(6)), pool.apply(add_one, (41,)))
+            print([float(total) for total in pool.map(np.sum, [np.ones(300_000)] * 3)])
+    """
+)
+EXPECTED = "[1, 2, 3, 4, 5, 6] 42\n[300000.0, 300000.0, 300000.0]\n"
+
+
+def _run(argv, stdin=None):
+    return subprocess.run(
+        [sys.executable, *argv], input=stdin, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+@pytest.mark.parametrize("context", [None, "spawn", "fork"])
+def test_a_script_piped_to_the_interpreter(context):
+    # maxtasksperchild=1: replacement workers are started from the pool's own thread too.
+    result = _run(["-"], stdin=SCRIPT.format(context=context, maxtasks=1))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == EXPECTED
+    assert "FileNotFoundError" not in result.stderr
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_a_script_given_with_dash_c(context):
+    result = _run(["-c", SCRIPT.format(context=context, maxtasks=None)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == EXPECTED
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_a_script_file(tmp_path, context):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(context=context, maxtasks=None))
+    result = _run([str(script)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == EXPECTED
+
+
+def test_main_file_is_restored_after_workers_start():
+    code = SCRIPT.format(context=None, maxtasks=1) + "\n    print(__file__)\n"
+    result = _run(["-"], stdin=code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == EXPECTED + "<stdin>\n"
