@@ -34,12 +34,12 @@ from ._folders import (
     choose_location,
     default_base,
     fallback_base,
+    find_folders,
     folder_size,
     free_bytes,
-    list_folders,
 )
 from ._held_memory import unsupported_reason
-from ._owners import pid_namespace
+from ._owners import OWNER_ALIVE, OWNER_DEAD
 
 GIB = 1024**3
 #: Below this, shared memory is too small for typical workloads; Docker's 64 MiB default is far below it.
@@ -192,23 +192,26 @@ def _check_memfds(say: Callable[[str], None]) -> None:
 def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> None:
     """List memshare folders in every place they may be, and judge the dead owners' ones."""
     bases = candidate_bases() | {shm}
-    folders = list_folders(bases)
+    folders = find_folders(bases)
     if not folders:
         say(f"  none (looked in {', '.join(sorted(bases))})")
-    dead_count, dead_bytes, namespace = 0, 0, pid_namespace()
-    for path, owner in folders:
-        size = folder_size(path)
-        if owner.namespace != namespace:
-            status = "owner in another pid namespace (kept)"
-        elif owner.is_alive():
-            status = "owner alive"
-        else:
+    dead_count, dead_bytes, on_network = 0, 0, False
+    for found in folders:
+        size = folder_size(found.path)
+        if found.status == OWNER_DEAD:
             status = "owner dead"
             dead_count += 1
             dead_bytes += size
-        say(f"  {path}: pid {owner.pid}, {status}, {format_bytes(size)}")
+        elif found.status == OWNER_ALIVE:
+            status = "owner alive"
+        else:
+            status = f"owner {found.status} (kept)"
+        if found.network_fs is not None:
+            status += f", on a network file system ({found.network_fs})"
+            on_network = on_network or found.status == OWNER_DEAD
+        say(f"  {found.path}: pid {found.owner.pid}, {status}, {format_bytes(size)}")
     if dead_count:
-        option = "" if shm == SHM_ROOT else f" --shm {shm}"
+        option = ("" if shm == SHM_ROOT else f" --shm {shm}") + (" --network-fs" if on_network else "")
         verdict.problems.append(
             f"{dead_count} folder(s) of dead owners hold {format_bytes(dead_bytes)}. "
             f"Remove them with `python -m memshare clean{option}`."

@@ -11,7 +11,17 @@ that died anyway (the watchdog was killed too, or the machine lost power
 mid-cleanup) are swept the first time a later process creates a folder.
 
 Each folder has a *fallback* twin on disk, used file by file when the shared
-memory location has no room for one array.
+memory location has no room for one array. The twin's name has a random part
+of its own: the primary folder shows in world-readable ``/dev/shm`` as soon
+as it exists, and a twin named after it could be created first by another
+user. Should a twin's name be taken anyway, the file goes to one of two
+spare twins, named in advance like it, so that every process writing for the
+folder agrees on them and the owner removes them all.
+
+Folders of owners that died are swept only on file systems local to this
+machine, unless asked (``python -m memshare clean --network-fs``): storage
+that several machines share holds folders of other hosts, never judged dead
+here anyway (see ``_owners``), and listing it at every start costs time.
 
 Mechanism: on Linux, files are memfds by default (see ``_memfd``): nameless
 memory held by a descriptor, which needs no room in ``/dev/shm`` and cannot
@@ -32,7 +42,9 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -45,10 +57,14 @@ from typing import List, Optional, Tuple
 from . import _forksafe, _memfd
 from ._config import ENV_TEMP_FOLDER, folder_from_environment, format_bytes, resolve_folder
 from ._errors import SharedMemoryFallbackWarning, SharedMemoryFullError
-from ._owners import FOLDER_PREFIX, Owner, new_folder_name, parse_folder_name
+from ._owners import FOLDER_PREFIX, OWNER_DEAD, Owner, new_folder_name, new_twin_name, parse_folder_name
 from ._watchdog import WatchdogClient
 
+logger = logging.getLogger("memshare")
+
 SHM_ROOT = "/dev/shm"
+#: Spare twins per folder, used in turn when a twin's name is taken (see the module docstring).
+SPARE_TWINS = 2
 _FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -120,6 +136,93 @@ def free_bytes(path: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+#: File system types (``/proc/self/mountinfo``) that other machines may share.
+NETWORK_FSTYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "afs",
+        "9p",
+        "virtiofs",
+        "ocfs2",
+        "gfs2",
+        "orangefs",
+        "pvfs2",
+        "panfs",
+        "wekafs",
+        "davfs",
+        "fuse",
+    }
+)
+#: FUSE file systems known to be local; any other ``fuse.*`` type counts as shared (sshfs, s3fs, glusterfs...).
+LOCAL_FUSE_FSTYPES = frozenset({"fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.portal", "fuse.gvfsd-fuse"})
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def read_mountinfo() -> str:
+    """This process's mount table, or an empty string where there is none (no ``/proc``)."""
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as table:
+            return table.read()
+    except OSError:
+        return ""
+
+
+def _unescape_mount_path(field: str) -> str:
+    """A mount point as the kernel writes it: space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def mount_fstype(path: str, mountinfo: str) -> Optional[str]:
+    """The type of the file system holding ``path`` in the mount table text ``mountinfo``; None if unknown.
+
+    ``path`` is taken as it is (the caller resolves symlinks). The innermost
+    mount point containing it counts, and of mounts at the same point the
+    last one, which hides the others.
+    """
+    best: Optional[Tuple[int, str]] = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        # id parent major:minor root mount-point options [optional...] - fstype source super-options
+        if len(fields) < 7 or "-" not in fields[6:]:
+            continue
+        separator = fields.index("-", 6)
+        if separator + 1 >= len(fields):
+            continue
+        point = _unescape_mount_path(fields[4])
+        inside = point == "/" or path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= best[0]):
+            best = (len(point), fields[separator + 1])
+    return None if best is None else best[1]
+
+
+def is_network_fstype(fstype: Optional[str]) -> bool:
+    """True for a file system type that other machines may share (NFS, Lustre, CIFS, most FUSE ones...)."""
+    if fstype is None:
+        return False
+    if fstype.startswith("fuse."):
+        return fstype not in LOCAL_FUSE_FSTYPES
+    return fstype in NETWORK_FSTYPES
+
+
+def network_fstype(path: str, mountinfo: Optional[str] = None) -> Optional[str]:
+    """The type of the network file system holding ``path``, or None when it is local (or unknown).
+
+    Unknown (no mount table: not Linux) counts as local, as before folder
+    names recorded a host; those names still protect another host's folders.
+    """
+    fstype = mount_fstype(os.path.realpath(path), read_mountinfo() if mountinfo is None else mountinfo)
+    return fstype if is_network_fstype(fstype) else None
+
+
 def unlink_quietly(path: str) -> None:
     """Delete the name ``path``; one already gone is no error (cleanups race)."""
     try:
@@ -137,6 +240,10 @@ def delete_file(path: str) -> None:
     """
     if not _memfd.release(path):
         unlink_quietly(path)
+
+
+class FolderTakenError(PermissionError):
+    """The path of a memshare folder holds something that is not this user's directory."""
 
 
 def ensure_private_dir(path: str) -> None:
@@ -166,7 +273,7 @@ def ensure_private_dir(path: str) -> None:
         raise _unusable_base(exc, os.path.dirname(path)) from None
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-        raise PermissionError(
+        raise FolderTakenError(
             errno.EPERM,
             "refusing to use a temp folder that is not a directory owned by this user",
             path,
@@ -220,10 +327,25 @@ class FolderPair:
     primary: str
     fallback: Optional[str] = None
     in_memory: bool = False
+    #: Twins used in turn when the fallback's path is taken by something not
+    #: this user's (see the module docstring); in the same folder as it.
+    spares: Tuple[str, ...] = ()
+
+    def twins(self) -> Tuple[str, ...]:
+        """The disk fallback folders, in the order they are tried: the twin, then its spares."""
+        return (self.fallback, *self.spares) if self.fallback else ()
+
+    def folders(self) -> Tuple[str, ...]:
+        """Every folder files of this pair may be in: the primary, then the twins."""
+        return (self.primary, *self.twins())
 
     def is_fallback(self, path: str) -> bool:
         """True when the file at ``path`` went to the disk fallback."""
-        return self.fallback is not None and os.path.dirname(path) == self.fallback
+        return os.path.dirname(path) in self.twins()
+
+    def holds(self, path: str) -> bool:
+        """True when ``path`` names a file directly in one of this pair's folders."""
+        return os.path.dirname(path) in self.folders()
 
     def link_file(self, source: str, prefix: str) -> Optional[str]:
         """A new name for ``source`` in the primary folder (no copy); None if impossible.
@@ -255,12 +377,24 @@ class FolderPair:
         """
         attempts = [self.primary] + ([self.fallback] if self.fallback else [])
         if self.in_memory:
-            created = _create_memfd(nbytes, prefix)
+            try:
+                created = _create_memfd(nbytes, prefix)
+            except OSError as exc:
+                if exc.errno not in _NO_DESCRIPTOR_ERRNOS:
+                    raise
+                # Out of descriptors, not of room (a memfd takes two while it is made, a
+                # named file one): shared memory still comes first, and no warning speaks of room.
+                created = None
+            else:
+                if created is None:
+                    attempts = attempts[1:] if self.fallback else attempts  # shared memory is what memfds are
             if created is not None:
                 return created
-            attempts = attempts[1:] if self.fallback else attempts  # shared memory is what memfds are
         for folder in attempts:
-            created = _create_reserved(folder, nbytes, prefix)
+            if folder == self.primary:
+                created = _create_reserved(folder, nbytes, prefix)
+            else:
+                created, folder = self._create_in_twin(nbytes, prefix)
             if created is not None:
                 if folder != self.primary and warn:
                     warn_fallback(self.primary, folder, nbytes)
@@ -273,10 +407,36 @@ class FolderPair:
             "or raise max_nbytes / pass max_nbytes=None to pickle arrays instead",
         )
 
+    def _create_in_twin(self, nbytes: int, prefix: str) -> Tuple[Optional[Tuple[str, int]], str]:
+        """A file in the first twin whose path is free or ours, and that twin; (None, twin) when it has no room.
 
-#: errno values of memfd_create or its reservation that leave named files to try:
-#: no room (RAM or the memory cgroup), or no descriptor left in this process.
-_MEMFD_FALLBACK_ERRNOS = NO_ROOM_ERRNOS + (errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+        A twin's path taken by another user's folder, a symlink or a file is
+        passed over for the next (they share one file system, so a twin
+        without room ends the search). With every name taken, the call fails
+        saying so: only someone who learned names that memshare never shows
+        before creating them could do that.
+        """
+        taken = []
+        for twin in self.twins():
+            try:
+                return _create_reserved(twin, nbytes, prefix), twin
+            except FolderTakenError:
+                taken.append(twin)
+                logger.warning("memshare: %s is taken by another user or file; using another disk folder", twin)
+        raise FolderTakenError(
+            errno.EPERM,
+            f"memshare: every disk fallback folder of {self.primary} is taken by something not this user's "
+            f"({', '.join(taken)}). Another user may be interfering: point {ENV_TEMP_FOLDER} (or TMPDIR) at a "
+            "folder only you can write to",
+        )
+
+
+#: errno values of memfd_create or its reservation that leave named files to try, outside
+#: shared memory: no room (RAM or the memory cgroup).
+_MEMFD_FALLBACK_ERRNOS = NO_ROOM_ERRNOS + (errno.ENOMEM,)
+#: errno values that say this process (or the system) has no descriptor left: named files
+#: in shared memory are tried next.
+_NO_DESCRIPTOR_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
 def _create_memfd(nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
@@ -417,7 +577,8 @@ if hasattr(os, "register_at_fork"):
 
 def _remove_paths(paths: List[str]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        if _is_own_dir(path):
+            shutil.rmtree(path, ignore_errors=True)
         with _state.lock:
             _state.live_paths.discard(path)
         _state.watchdog.unregister(path)
@@ -432,6 +593,15 @@ def _remove_all_at_exit() -> None:
     _state.watchdog.close()
 
 
+def _is_own_dir(path: str) -> bool:
+    """True when ``path`` is a directory of this user (not something another user planted at a twin's name)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
 class TempFolder:
     """The owner's handle on one private folder pair.
 
@@ -443,20 +613,24 @@ class TempFolder:
         """``location`` (from :func:`choose_location`) wins over ``base`` (an explicit temp folder)."""
         location = location or choose_location(base)
         primary_base = location.base
-        name = new_folder_name(Owner.current())
+        owner = Owner.current()
         fallback = fallback_base(primary_base)
+        # Each twin has a random part of its own (see the module docstring).
+        twins = [os.path.join(fallback, new_twin_name(owner)) for _ in range(1 + SPARE_TWINS)] if fallback else []
         self.location = location
         self.pair = FolderPair(
-            os.path.join(primary_base, name),
-            os.path.join(fallback, name + "-disk") if fallback else None,
+            os.path.join(primary_base, new_folder_name(owner)),
+            twins[0] if twins else None,
             location.in_memory,
+            tuple(twins[1:]),
         )
-        paths = [p for p in (self.pair.primary, self.pair.fallback) if p]
+        paths = list(self.pair.folders())
         with _state.lock:
             sweep = not _state.swept
             _state.swept = True
             _state.live_paths.update(paths)
         if sweep:
+            # Local file systems only (see the module docstring).
             sweep_dead_owners({primary_base, fallback or primary_base, SHM_ROOT, tempfile.gettempdir()})
         # Registered before any file exists: a worker may create the folder
         # (for a result) before the owner does, and it must still be cleaned.
@@ -516,15 +690,49 @@ def folder_size(path: str) -> int:
     return total
 
 
-def sweep_dead_owners(bases, dry_run: bool = False) -> List[Tuple[str, int]]:
+@dataclass(frozen=True)
+class FoundFolder:
+    """A memshare folder of this user, and what can be said of its owner from here."""
+
+    path: str
+    owner: Owner
+    #: The owner's :meth:`Owner.status` (``_owners.OWNER_*``), judged knowing whether the folder is local.
+    status: str
+    #: The type of the network file system the folder is on; None when it is local.
+    network_fs: Optional[str]
+
+
+def find_folders(bases, mountinfo: Optional[str] = None) -> List[FoundFolder]:
+    """memshare folders of this user under ``bases``, each with its owner's status and file system.
+
+    ``mountinfo`` is the mount table's text (read from ``/proc`` when None,
+    once, and only if there is a folder to judge).
+    """
+    network = {}
+    found = []
+    for path, owner in list_folders(bases):
+        base = os.path.dirname(path)
+        if base not in network:
+            mountinfo = read_mountinfo() if mountinfo is None else mountinfo
+            network[base] = network_fstype(base, mountinfo)
+        fstype = network[base]
+        found.append(FoundFolder(path, owner, owner.status(local=fstype is None), fstype))
+    return found
+
+
+def sweep_dead_owners(bases, dry_run: bool = False, network: bool = False) -> List[Tuple[str, int]]:
     """Remove the folders of owners that no longer exist; return (path, bytes) of those removed.
 
+    Folders on network file systems are left alone unless ``network`` is
+    true; even then only this host's dead owners' folders go (an owner
+    on another host, or named without a host there, is never judged dead).
     A folder that could not be removed is not reported (it is still there).
     """
     removed = []
-    for path, owner in list_folders(bases):
-        if owner.is_alive():
+    for found in find_folders(bases):
+        if found.status != OWNER_DEAD or (found.network_fs is not None and not network):
             continue
+        path = found.path
         size = folder_size(path)
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)

@@ -83,13 +83,17 @@ def unsupported_reason() -> Optional[str]:
 def copy_then_remap(fd: int, file_offset: int, address: int, length: int) -> None:
     """Write memory ``[address, address + length)`` into ``fd`` at ``file_offset``, then map it back privately.
 
-    Whole pages, with ``address`` and ``file_offset`` congruent modulo the page size.
+    Whole pages: ``address``, ``file_offset`` and ``length`` multiples of the page size, or the C helper
+    raises ValueError before touching memory or the file.
     """
     _remap.copy_then_remap(fd, file_offset, address, length)
 
 
 def rewrite_then_drop(fd: int, file_offset: int, address: int, length: int) -> None:
-    """Write pages written since into the file again, then drop their private copies (whole pages)."""
+    """Write pages written since into the file again, then drop their private copies.
+
+    Whole pages, as for :func:`copy_then_remap` (ValueError before anything is touched otherwise).
+    """
     _remap.rewrite_then_drop(fd, file_offset, address, length)
 
 

@@ -10,15 +10,25 @@ would otherwise keep a finished call's deleted dump in memory while the next
 call writes its own: back-to-back calls would hold the data twice. The
 thread sleeps while the cache is empty. Copy-on-write mappings (``'c'``) are never cached: a
 task's private writes must not leak into the next task.
+
+:func:`map_descriptor` maps a file without keeping its descriptor: a mapping
+needs none once it exists (the kernel keeps the file alive while it is
+mapped), but ``mmap.mmap`` keeps a duplicate until it is closed, so a process
+holding thousands of arrays would hold thousands of descriptors and meet its
+``RLIMIT_NOFILE``. The parent maps adopted results that way.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import os
 import stat
+import sys
 import threading
 import time
-from typing import Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -28,6 +38,109 @@ from ._refs import USER, ArrayRef, file_identity, kind_of_path
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 _OPEN_FLAGS = {"r": os.O_RDONLY, "c": os.O_RDONLY, "r+": os.O_RDWR}
 _Key = Tuple[str, int, int, str]
+
+#: True where ``mmap.mmap`` can leave the descriptor alone (``trackfd=False``, Python 3.13+); before
+#: that, :func:`map_descriptor` calls the C library's mmap through ctypes. A constant (tests force each way).
+TRACKFD = sys.version_info >= (3, 13)
+
+
+def _c_mmap() -> Optional[Tuple[Callable[..., Any], Callable[..., Any]]]:
+    """The C library's (mmap, munmap) with their signatures set; None where there is no such library."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    # mmap64 takes a 64-bit offset on every ABI (plain mmap's off_t is 32 bits on some 32-bit ones).
+    c_mmap = getattr(libc, "mmap64", None) or getattr(libc, "mmap", None)
+    c_munmap = getattr(libc, "munmap", None)
+    if c_mmap is None or c_munmap is None:
+        return None
+    c_mmap.restype = ctypes.c_void_p
+    c_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    c_munmap.restype = ctypes.c_int
+    c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return c_mmap, c_munmap
+
+
+# Looked up once: a process's C library does not change (read-only after import).
+_C_MMAP = _c_mmap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+#: mode -> (mmap flags, protection) of :func:`map_descriptor`.
+_MAP_MODES = {
+    "r": (mmap.MAP_SHARED, mmap.PROT_READ),
+    "r+": (mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+    "c": (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE),
+}
+
+
+class _Mapping:
+    """A mapping made through ctypes, as an array interface; unmapped when the last array over it dies.
+
+    It is the base of the arrays over it (NumPy keeps the object that
+    exposes ``__array_interface__`` as the array's base), so it lives exactly
+    as long as they do. ``__del__`` runs when the last reference goes: no
+    array can still reach the memory then. It is not a ``weakref.finalize``,
+    which would unmap at interpreter exit memory that objects still alive
+    then may read.
+    """
+
+    __slots__ = ("address", "length", "__array_interface__", "_munmap")
+
+    def __init__(self, address: int, length: int, writable: bool, munmap: Callable[..., Any]) -> None:
+        self.address = address
+        self.length = length
+        self._munmap = munmap  # kept here: module globals may be gone when __del__ runs at exit
+        self.__array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (address, not writable),
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        self._munmap(self.address, self.length)
+
+
+def map_descriptor(fd: int, length: int, mode: str = "r+") -> np.ndarray:
+    """Map the first ``length`` bytes of the file open at ``fd`` as a 1-D uint8 array that keeps no descriptor.
+
+    ``mode`` is ``'r'`` (shared, read-only), ``'r+'`` (shared, read-write)
+    or ``'c'`` (private copy-on-write, writable). The caller may close ``fd``
+    as soon as this returns: the mapping needs no descriptor. The memory is
+    unmapped when the last array over it (this one or any view) is freed;
+    the array is a plain ``np.ndarray`` whose base owns the mapping.
+
+    On Python 3.13+ this is ``mmap.mmap(..., trackfd=False)``; before, the C
+    library's ``mmap`` through ctypes, owned by a small object whose
+    ``__del__`` unmaps. Where neither exists, ``mmap.mmap`` keeps its
+    duplicate descriptor as before. ``length`` 0 maps nothing (an empty
+    array: mmap refuses empty mappings). ``length`` must not exceed the
+    file's size: a page wholly past its end faults (SIGBUS) when touched.
+    """
+    if mode not in _MAP_MODES:
+        raise ValueError(f"memshare: invalid mapping mode {mode!r} (expected 'r', 'r+' or 'c')")
+    if length < 0:
+        raise ValueError(f"memshare: invalid mapping length {length} (negative)")
+    if length == 0:
+        os.fstat(fd)  # still refuse a bad descriptor
+        return np.empty(0, np.uint8) if mode != "r" else _read_only(np.empty(0, np.uint8))
+    flags, prot = _MAP_MODES[mode]
+    if TRACKFD or _C_MMAP is None:
+        extra = {"trackfd": False} if TRACKFD else {}
+        raw = mmap.mmap(fd, length, flags=flags, prot=prot, **extra)
+        return np.frombuffer(raw, np.uint8)  # read-only exactly when the mmap is
+    c_mmap, c_munmap = _C_MMAP
+    address = c_mmap(None, length, prot, flags, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        error = ctypes.get_errno()
+        raise OSError(error, f"memshare: cannot map {length} bytes of a file: {os.strerror(error)}")
+    # From here the _Mapping owns the memory: if anything below fails, its __del__ unmaps.
+    return np.asarray(_Mapping(address, length, mode != "r", c_munmap))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def _check_ref(ref: ArrayRef) -> None:
@@ -41,14 +154,19 @@ def _check_ref(ref: ArrayRef) -> None:
 def map_file(ref: ArrayRef) -> np.memmap:
     """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap``.
 
-    A memfd's ``/proc/<pid>/fd/<n>`` path is a magic link, which
-    ``O_NOFOLLOW`` would refuse: it is opened plainly, and what was opened is
-    checked instead (its identity, and for memshare's own files the kind its
-    link names).
+    memshare's own files are opened with ``O_NOFOLLOW``: a link planted at
+    their name is refused. A memfd's ``/proc/<pid>/fd/<n>`` path is a magic
+    link, which ``O_NOFOLLOW`` would refuse: it is opened plainly, and what
+    was opened is checked instead (its identity, and for memshare's own files
+    the kind its link names). The user's own files (an ``np.memmap`` opened
+    through a symbolic link keeps the link's name) are opened following
+    links, as the user did: what was opened must still be the file the
+    sender identified by (device, inode), wherever the link points now.
     """
     _check_ref(ref)
     memfd = _memfd.is_memfd_path(ref.path)
-    flags = _OPEN_FLAGS[ref.mode] | getattr(os, "O_CLOEXEC", 0) | (0 if memfd else getattr(os, "O_NOFOLLOW", 0))
+    follow = memfd or (ref.kind == USER and kind_of_path(ref.path) == USER)
+    flags = _OPEN_FLAGS[ref.mode] | getattr(os, "O_CLOEXEC", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
     fd = os.open(ref.path, flags)
     with open(fd, "rb" if ref.mode != "r+" else "r+b") as handle:
         info = os.fstat(fd)

@@ -1,6 +1,7 @@
 """Who owns a temp folder, and whether that owner is still alive.
 
-Every folder memshare creates is named ``memshare-<pid>-<start>-<ns>-<random>``:
+Every folder memshare creates is named
+``memshare-<pid>-<start>-<ns>-<host>-<random>``:
 
 * ``pid`` and ``start`` (the process start time, in clock ticks since boot on
   Linux) identify the owner. Checking both means a recycled pid never makes a
@@ -8,20 +9,47 @@ Every folder memshare creates is named ``memshare-<pid>-<start>-<ns>-<random>``:
 * ``ns`` is the pid namespace of the owner. Containers that share ``/dev/shm``
   (``--ipc=host``) see each other's folders but not each other's processes;
   a folder from another namespace is never judged dead.
+* ``host`` identifies the machine (:func:`host_identity`). The initial pid
+  namespace has the same inode on every Linux host, so on a temp folder that
+  several machines share (NFS or Lustre scratch) the namespace alone would let
+  a live owner on another machine look dead here; a folder of another host is
+  never judged dead.
 * ``random`` makes the name unpredictable, so nobody can plant a file or
   symlink at the path beforehand.
+
+A disk fallback twin carries the same owner fields, a random part of its own,
+and the suffix ``-disk``.
+
+Folders named by memshare versions before the host field
+(``memshare-<pid>-<start>-<ns>-<random>``) parse with ``host`` None: such an
+owner is judged only where the caller knows the folder is on a local file
+system, which only this machine's processes write to (see
+:meth:`Owner.is_alive`); anywhere else it is kept.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 FOLDER_PREFIX = "memshare-"
-_NAME_PATTERN = re.compile(r"^memshare-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})(?:-disk)?$")
+#: The suffix of a folder's disk fallback twin.
+TWIN_SUFFIX = "-disk"
+#: Hex digits of the host identity: 40 bits keep the name short while two hosts
+#: of even a large cluster almost never share one.
+HOST_DIGITS = 10
+# The host group is optional: names from versions before it had none.
+_NAME_PATTERN = re.compile(
+    rf"^memshare-(\d+)-(\d+)-(\d+)-(?:([0-9a-f]{{{HOST_DIGITS}}})-)?[0-9a-f]{{16}}(?:{TWIN_SUFFIX})?$"
+)
+_MACHINE_ID = "/etc/machine-id"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 _HAVE_PROC = os.path.isdir("/proc/self")
@@ -47,6 +75,31 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
 
 
+@functools.cache
+def host_identity() -> str:
+    """A short identity of this machine, the same in all its processes and stable across calls.
+
+    A hash of ``/etc/machine-id`` (or, where there is none, of the boot id)
+    together with the host name: machine ids are copied along with disk
+    images, so cloned cluster nodes may share one, while their host names
+    differ. Where neither file can be read, the host name alone. Cached, so
+    that a process keeps one identity for its whole life (were the host name
+    changed meanwhile, its own folders would otherwise look foreign to it); a
+    forked child, on the same machine, rightly inherits it.
+    """
+    machine = ""
+    for source in (_MACHINE_ID, _BOOT_ID):
+        try:
+            with open(source, encoding="ascii", errors="replace") as handle:
+                machine = handle.read().strip()
+        except OSError:
+            continue
+        if machine:
+            break
+    digest = hashlib.sha256(f"{machine}\0{socket.gethostname()}".encode("utf-8", "replace"))
+    return digest.hexdigest()[:HOST_DIGITS]
+
+
 def pid_namespace() -> int:
     """An identifier of this process's pid namespace (0 where unknown)."""
     try:
@@ -55,32 +108,59 @@ def pid_namespace() -> int:
         return 0
 
 
+#: What :meth:`Owner.status` says: only ``OWNER_DEAD`` lets a folder be removed.
+OWNER_ALIVE = "alive"
+OWNER_DEAD = "dead"
+OWNER_OTHER_HOST = "on another host"
+OWNER_OTHER_NAMESPACE = "in another pid namespace"
+OWNER_UNKNOWN_HOST = "of an unknown host (named by an older memshare, on a file system other machines may share)"
+
+
 @dataclass(frozen=True)
 class Owner:
-    """The identity of the process that created a folder."""
+    """The identity of the process that created a folder.
+
+    ``host`` is None for a folder named by a memshare version that did not
+    record it.
+    """
 
     pid: int
     start: int
     namespace: int
+    host: Optional[str]
 
     @classmethod
     def current(cls) -> Owner:
         pid = os.getpid()
-        return cls(pid, process_start_time(pid) or 0, pid_namespace())
+        return cls(pid, process_start_time(pid) or 0, pid_namespace(), host_identity())
 
-    def is_alive(self) -> bool:
-        """False only when this owner has certainly exited.
+    def status(self, local: bool = False) -> str:
+        """What can be said of this owner from here: one of the ``OWNER_*`` values.
 
-        A folder from another pid namespace, or one whose owner cannot be
-        checked, counts as alive: deleting a live owner's data is far worse
-        than leaving an orphan for ``python -m memshare clean``.
+        ``local`` says that the folder is on a file system only this machine
+        writes to (tmpfs, a local disk): an owner without a recorded host can
+        then only be of this machine, and is judged like one of this host.
         """
+        if self.host is None and not local:
+            return OWNER_UNKNOWN_HOST
+        if self.host is not None and self.host != host_identity():
+            return OWNER_OTHER_HOST
         if self.namespace != pid_namespace():
-            return True
+            return OWNER_OTHER_NAMESPACE
         start = process_start_time(self.pid)
         if start is None:
-            return not _pid_certainly_gone(self.pid)
-        return start == self.start
+            return OWNER_DEAD if _pid_certainly_gone(self.pid) else OWNER_ALIVE
+        return OWNER_ALIVE if start == self.start else OWNER_DEAD
+
+    def is_alive(self, local: bool = False) -> bool:
+        """False only when this owner has certainly exited (``local`` as for :meth:`status`).
+
+        An owner on another host, in another pid namespace, without a host on
+        a file system that may be shared, or that cannot be checked, counts as
+        alive: deleting a live owner's data is far worse than leaving an
+        orphan for ``python -m memshare clean``.
+        """
+        return self.status(local) != OWNER_DEAD
 
 
 def _pid_certainly_gone(pid: int) -> bool:
@@ -94,17 +174,28 @@ def _pid_certainly_gone(pid: int) -> bool:
 
 
 def new_folder_name(owner: Owner) -> str:
-    """A fresh, unpredictable folder name that records ``owner``."""
-    return f"{FOLDER_PREFIX}{owner.pid}-{owner.start}-{owner.namespace}-{secrets.token_hex(8)}"
+    """A fresh, unpredictable folder name that records ``owner`` (who must have a host)."""
+    if owner.host is None:
+        raise ValueError("memshare: a new folder name must record its owner's host; use Owner.current()")
+    return f"{FOLDER_PREFIX}{owner.pid}-{owner.start}-{owner.namespace}-{owner.host}-{secrets.token_hex(8)}"
+
+
+def new_twin_name(owner: Owner) -> str:
+    """A fresh name for a disk fallback twin of ``owner``'s folder.
+
+    Its random part is its own: a twin named after its primary folder could
+    be created by another user as soon as the primary shows in ``/dev/shm``.
+    """
+    return new_folder_name(owner) + TWIN_SUFFIX
 
 
 def parse_folder_name(name: str) -> Optional[Owner]:
-    """The owner recorded in a memshare folder name, or None for other names."""
+    """The owner recorded in a memshare folder (or twin) name, or None for other names."""
     match = _NAME_PATTERN.match(name)
     if match is None:
         return None
-    pid, start, namespace, _ = match.groups()
-    return Owner(int(pid), int(start), int(namespace))
+    pid, start, namespace, host = match.groups()
+    return Owner(int(pid), int(start), int(namespace), host)
 
 
 def owner_identity() -> Tuple[int, Optional[int]]:

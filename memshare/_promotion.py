@@ -27,6 +27,11 @@ Why it stays correct:
   written, so a rewrite would reach into the child; looked for in
   ``/proc/*/maps`` only after a fork); otherwise the call gets an ordinary
   dump, as without promotion.
+* The held file goes to workers only read-only or copy-on-write, in every
+  call, whatever was held before (``Held.reference``): a worker's write
+  would reach every page the parent has not written since. A call whose
+  workers map writable (``mmap_mode='r+'``/``'w+'``) gets an ordinary dump
+  of an array held once, and leaves its file as it is.
 * When the array is freed, NumPy's ``free()`` unmaps the whole malloc chunk,
   the file mapping with it; the weak reference callback closes and deletes
   the file, and workers drop their mappings when they see it gone.
@@ -38,7 +43,10 @@ mapping of its own; C or Fortran contiguous, so that the file has the
 memory's exact layout; sent with workers mapping read-only or copy-on-write
 (with ``mmap_mode='r+'`` a worker's write would reach the parent); and only
 when memshare chooses the location (no ``temp_folder``) and the file fits
-in shared memory. ``MEMSHARE_PROMOTE=0`` or ``promote=False`` turns it off.
+in shared memory. An array an earlier call held is still sent as it is by a
+call with a ``temp_folder``: it needs no new file, so none is written.
+``MEMSHARE_PROMOTE=0`` or ``promote=False`` turns it off (for an array
+already held too: that call dumps it).
 
 One race is left to the caller, as with any shared data: a NumPy operation
 that releases the GIL and writes the array from another thread at the very
@@ -47,6 +55,7 @@ moment memshare promotes or refreshes that array.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import time
@@ -68,6 +77,8 @@ PAGE = _held_memory.PAGE
 MIN_BYTES = 16 * PAGE
 #: Mappings each promotion may add (the file mapping splits the chunk's one or two).
 _MAPPINGS_PER_ARRAY = 3
+#: The only modes a held file is ever sent with: the worker's writes stay out of the file.
+SAFE_MODES = ("r", "c")
 
 
 @dataclass
@@ -94,6 +105,17 @@ class Held:
     def release(self) -> None:
         with self._lock:
             self.pending -= 1
+
+    def reference(self, worker_mode: str) -> ArrayRef:
+        """The reference workers map the held file with, in ``worker_mode``; never a writable one.
+
+        Raises ``ValueError`` for a writable mode (see :func:`mode_unfit_reason`):
+        the caller must dump the array instead.
+        """
+        reason = mode_unfit_reason(worker_mode)
+        if reason is not None:
+            raise ValueError(f"memshare: an array held once cannot be sent as it is: {reason}")
+        return dataclasses.replace(self.ref, mode=worker_mode)
 
     def describes(self, array: np.ndarray) -> bool:
         """True while ``array``'s memory is still the range that was promoted."""
@@ -181,13 +203,28 @@ class Held:
         delete_file(self.ref.path)
 
 
+def mode_unfit_reason(worker_mode: str) -> Optional[str]:
+    """Why a held file must not be sent to workers mapping with ``worker_mode``, or None when it may.
+
+    The rule for every call, whether the array is held once now or was held
+    by an earlier call: the held file *is* the parent's memory (each page the
+    parent has not written since reads it), so a worker writing into it
+    would change the parent's array. Read-only and copy-on-write mappings
+    keep the worker's writes, if any, in the worker.
+    """
+    if worker_mode in SAFE_MODES:
+        return None
+    return f"workers map it with mmap_mode={worker_mode!r}: their writes would reach the parent's array"
+
+
 def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]) -> Optional[str]:
     """Why ``array`` cannot be held once, or None when it can (see the module docstring)."""
     unsupported = _held_memory.unsupported_reason()
     if unsupported is not None:
         return unsupported
-    if worker_mode not in ("r", "c"):
-        return f"workers map it with mmap_mode={worker_mode!r}: their writes would reach the parent's array"
+    mode_reason = mode_unfit_reason(worker_mode)
+    if mode_reason is not None:
+        return mode_reason
     location = choose_location(temp_folder)
     if not location.in_memory and location.base != SHM_ROOT:
         return f"it would live in a file outside shared memory ({location.reason})"

@@ -17,6 +17,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from ._errors import RemoteTraceback
+from ._folders import FolderPair
 from ._reducers import Receive, ResultSpec, Slot, unpack
 from ._refs import RESULT, ArrayRef
 
@@ -63,14 +64,17 @@ class Failure:
     traceback: str
 
 
-def restore(outcome: Outcome, receive: Optional[Receive] = None) -> Tuple[bool, Any]:
+def restore(
+    outcome: Outcome, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None
+) -> Tuple[bool, Any]:
     """In the parent: (True, value) or (False, exception with remote traceback).
 
     ``receive`` gives the descriptors of result memfds the worker passed
-    (see ``_handoff``), by (device, inode).
+    (see ``_handoff``), by (device, inode); result files are adopted only
+    from ``folder``, the session's folder pair (see ``_reducers.adopt_result``).
     """
     try:
-        value = unpack(outcome.stream, outcome.slots, receive)
+        value = unpack(outcome.stream, outcome.slots, receive, folder)
     except BaseException as exc:
         return False, exc
     if outcome.ok:

@@ -24,28 +24,39 @@ and pickle protocol 5.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import io
 import marshal
-import mmap
 import os
 import pickle
+import socket
+import stat
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
 
+try:
+    import resource
+except ImportError:  # not a Unix: no descriptor limit to read, and no memfds either
+    resource = None  # type: ignore[assignment]
+
 from . import _handoff, _memfd
-from ._folders import FolderPair, delete_file, unlink_quietly
-from ._mapping import array_from_ref, map_file
-from ._refs import RESULT, SHARED, ArrayRef
+from ._errors import SharedMemoryFullError
+from ._folders import FolderPair, delete_file
+from ._mapping import array_from_ref, map_descriptor
+from ._refs import RESULT, SHARED, ArrayRef, file_identity, kind_of_path
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
 from ._routes import HAND_OVER, REFERENCE, RESULT_FILE, copied_route, result_route
 from ._shared_store import lookup_shared
-from ._stats import REFERENCED, log_decision
+from ._stats import REFERENCED, log_decision, logger
+
+_COPY_BYTES = 8 * 1024**2  # block size when a result memfd is copied into a named file
 
 #: A pickle reduction, as ``__reduce__`` returns it: (callable, arguments).
 Reduction = Tuple[Callable[..., Any], tuple]
@@ -158,39 +169,49 @@ Slot = Union[ArrayRef, np.ndarray]
 Receive = Callable[[Tuple[int, int]], Optional[int]]
 
 
-def unpack(stream: bytes, slots: Sequence[Slot] = (), receive: Optional[Receive] = None) -> Any:
+def unpack(
+    stream: bytes,
+    slots: Sequence[Slot] = (),
+    receive: Optional[Receive] = None,
+    folder: Optional[FolderPair] = None,
+) -> Any:
     """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
 
-    ``receive`` gives the descriptors of result memfds (see :func:`adopt_result`).
+    ``receive`` gives the descriptors of result memfds, ``folder`` is the
+    session's folder pair, the only place result files may be adopted from
+    (see :func:`adopt_result`).
     """
     if not slots:
         return pickle.loads(stream)
-    return _SlotUnpickler(io.BytesIO(stream), slots, receive).load()
+    return _SlotUnpickler(io.BytesIO(stream), slots, receive, folder).load()
 
 
 class _SlotUnpickler(pickle.Unpickler):
     """Loads each slot once, however often the stream names it: the same array comes back as one object."""
 
-    def __init__(self, file: io.BytesIO, slots: Sequence[Slot], receive: Optional[Receive]) -> None:
+    def __init__(
+        self, file: io.BytesIO, slots: Sequence[Slot], receive: Optional[Receive], folder: Optional[FolderPair]
+    ) -> None:
         super().__init__(file)
         self._slots = slots
         self._receive = receive
+        self._folder = folder
         self._loaded: Dict[int, np.ndarray] = {}
 
     def persistent_load(self, pid: Any) -> np.ndarray:
         if not isinstance(pid, int) or not 0 <= pid < len(self._slots):
             raise pickle.UnpicklingError(f"memshare: a result names slot {pid!r}, which the outcome does not have")
         if pid not in self._loaded:
-            self._loaded[pid] = _load_slot(self._slots[pid], self._receive)
+            self._loaded[pid] = _load_slot(self._slots[pid], self._receive, self._folder)
         return self._loaded[pid]
 
 
-def _load_slot(where: Slot, receive: Optional[Receive]) -> np.ndarray:
+def _load_slot(where: Slot, receive: Optional[Receive], folder: Optional[FolderPair]) -> np.ndarray:
     """In the parent: the array of a result slot."""
     if isinstance(where, np.ndarray):
         return where  # no file had room: it came by value
     if where.kind == RESULT:
-        return adopt_result(where, receive)
+        return adopt_result(where, receive, folder)
     return _rebuild_reference(where)
 
 
@@ -212,15 +233,23 @@ def _owned_here(ref: ArrayRef) -> bool:
     return lookup_shared(ref) is not None
 
 
-def adopt_result(ref: ArrayRef, receive: Optional[Receive] = None) -> np.ndarray:
+def adopt_result(ref: ArrayRef, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None) -> np.ndarray:
     """In the parent: map a worker's result file and delete its name at once.
 
     From then on the memory lives exactly as long as the returned array (the
     mapping is its base); nothing is left on disk whatever happens next. The
     array is a plain, writable ``np.ndarray``: the mapping is shared but no
-    other process has the file any more. A memfd result comes as the
-    descriptor the worker passed (``receive``), already checked against the
-    reference's (device, inode); the worker closed its own.
+    other process has the file any more. The mapping keeps no descriptor
+    (:func:`~memshare._mapping.map_descriptor`): a call may return any number
+    of results under the process's descriptor limit.
+
+    A memfd result comes as the descriptor the worker passed (``receive``),
+    already checked against the reference's (device, inode); the worker
+    closed its own. A named result file is adopted (mapped, then unlinked)
+    only from ``folder``, the session's folder pair: an outcome naming a
+    file anywhere else, another session's for one, raises
+    ``PermissionError`` and leaves that file alone. ``folder`` None skips
+    that check (for callers that made the outcome themselves).
     """
     if ref.kind != RESULT:
         raise PermissionError(f"memshare: {ref.path!r} is not a result file")
@@ -229,14 +258,72 @@ def adopt_result(ref: ArrayRef, receive: Optional[Receive] = None) -> np.ndarray
         if fd is None:
             raise FileNotFoundError(f"memshare: the memory of a {ref.nbytes}-byte result never arrived from its worker")
         try:
-            raw = mmap.mmap(fd, os.fstat(fd).st_size)  # shared, read-write: the worker closed its descriptor
+            raw = map_descriptor(fd, os.fstat(fd).st_size, "r+")  # shared, read-write: the worker closed its own
         finally:
             os.close(fd)
-        return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
-    base = map_file(dataclasses.replace(ref, mode="r+"))
-    unlink_quietly(ref.path)
-    raw = base.base  # the mmap.mmap under the np.memmap: a plain ndarray over it is no memmap
+    else:
+        raw = _take_result_file(ref, folder)
     return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
+
+
+def _take_result_file(ref: ArrayRef, folder: Optional[FolderPair]) -> np.ndarray:
+    """Map the named result file of ``ref`` (checked to be in ``folder``) and delete its name.
+
+    The directory is opened first and every later step goes through that
+    descriptor (``dir_fd``): the directory checked is the one the file is
+    opened and unlinked in, whatever happens to the path's components
+    meanwhile. The file itself is opened with ``O_NOFOLLOW`` and must be the
+    reference's (device, inode).
+    """
+    if kind_of_path(ref.path) != RESULT:
+        raise PermissionError(f"memshare: refusing to adopt {ref.path!r}: not a memshare result file")
+    directory, name = os.path.split(ref.path)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if folder is not None and not _is_session_folder(os.fstat(dir_fd), folder):
+            raise PermissionError(
+                f"memshare: refusing to adopt the result file {ref.path!r}: it is not in this call's folders "
+                f"({', '.join(map(repr, folder.folders()))}), where its workers write their results. The outcome "
+                "names another call's file (left alone): a worker sent a result it did not make"
+            )
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or not ref.is_file(info):
+                raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
+            raw = map_descriptor(fd, info.st_size, "r+")
+        finally:
+            os.close(fd)
+        # The mapping keeps the memory: the name can go now. Only this file's
+        # name, should another file have taken it meanwhile.
+        try:
+            if ref.is_file(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # removed already (the session closed its folder)
+    finally:
+        os.close(dir_fd)
+    return raw
+
+
+def _is_session_folder(directory: os.stat_result, folder: FolderPair) -> bool:
+    """True when ``directory`` (a stat result) is one of ``folder``'s folders: the primary or a disk fallback.
+
+    Compared by (device, inode), not by path: a path can name a folder
+    through a symbolic link or ``..``, and another folder can have a name
+    that starts like this one's. A folder of another user at one of the
+    pair's names (planted there, and so passed over by the workers) is not
+    the session's.
+    """
+    if directory.st_uid != os.geteuid():
+        return False
+    for path in folder.folders():
+        try:
+            if file_identity(os.stat(path)) == file_identity(directory):
+                return True
+        except OSError:
+            continue  # not made yet: no result can be in it
+    return False
 
 
 def input_reduction(ref: ArrayRef) -> Reduction:
@@ -276,12 +363,22 @@ class ResultPolicy:
 
     Result memfds (when the spec has an inbox) are handed to the parent by
     :meth:`send_memfds`, after :meth:`write_pending` and before the outcome
-    is returned; at most ``MEMFD_RESULTS_PER_TASK`` per task, so that a
-    task returning thousands of arrays cannot run the worker, or the
-    descriptors in flight, out of their limit (the rest are named files).
+    is returned. The connection to the parent's inbox is made, without
+    waiting, before the first memfd: when the inbox cannot take it at once
+    (its queue is full), the task's results are named files instead. At
+    most ``MEMFD_RESULTS_PER_TASK`` per task are memfds, and no more than
+    the process's descriptor limit leaves room for (``SPARE_DESCRIPTORS``
+    kept free for the rest), so that a task returning thousands of arrays
+    cannot run the worker, or the descriptors in flight, out of their limit
+    (the rest are named files).
     """
 
     MEMFD_RESULTS_PER_TASK = 128
+    #: Descriptors a task leaves free for everything but its memfds: named result files, the
+    #: connection, the descriptors duplicated for one message (``SEND_BATCH``), the user's own.
+    SPARE_DESCRIPTORS = 32
+    #: Memfds passed per message: each is duplicated for its message only, then closed with its original.
+    SEND_BATCH = 16
 
     def __init__(self, spec: ResultSpec) -> None:
         self.spec = spec
@@ -296,10 +393,18 @@ class ResultPolicy:
         self._pending: List[Tuple[int, ArrayRef, List[np.ndarray]]] = []
         # Shared arrays of this worker handed over as memfds: descriptors opened for sending.
         self._handed: List[int] = []
-        self._memfd_results = 0
+        self._memfd_results = 0  # memfds this task holds for the parent: results and handed-over arrays
+        self._memfd_cap: Optional[int] = None  # how many it may hold, worked out at the first one
+        # The connection to the parent's inbox, made at the first memfd; None before, or when unreachable.
+        self._connection: Optional[socket.socket] = None
+        self._unreachable = False
 
     def slot_of(self, array: np.ndarray) -> Optional[int]:
         """The slot ``array`` travels in, or None to pickle it in the stream."""
+        with _descriptor_limit_explained():
+            return self._slot_of(array)
+
+    def _slot_of(self, array: np.ndarray) -> Optional[int]:
         slot = self._slot_by_id.get(id(array))
         if slot is not None:
             return slot
@@ -327,10 +432,43 @@ class ResultPolicy:
         folder = self.spec.folder
         if not folder.in_memory:
             return folder
-        if self.spec.inbox is None or self._memfd_results >= self.MEMFD_RESULTS_PER_TASK:
-            return dataclasses.replace(folder, in_memory=False)
+        if not self._room_for_memfd():
+            return self._named_folder()
         self._memfd_results += 1
         return folder
+
+    def _room_for_memfd(self) -> bool:
+        """True when one more memfd may go to the parent: the inbox is connected and descriptors allow."""
+        if self._memfd_cap is None:
+            free = _free_descriptors()
+            room = self.MEMFD_RESULTS_PER_TASK if free is None else free - self.SPARE_DESCRIPTORS
+            self._memfd_cap = max(0, min(self.MEMFD_RESULTS_PER_TASK, room))
+            if self._memfd_cap < self.MEMFD_RESULTS_PER_TASK:
+                logger.debug(
+                    "memshare: at most %d results of this task are memfds: %s descriptors free (ulimit -n)",
+                    self._memfd_cap,
+                    free,
+                )
+        return self._memfd_results < self._memfd_cap and self._inbox_connection() is not None
+
+    def _inbox_connection(self) -> Optional[socket.socket]:
+        """The connection to the parent's inbox, made at the first memfd; None: named files for this task.
+
+        Made without waiting (see ``_handoff.connect``). An inbox that is
+        there but cannot take a connection now (its queue is full: the
+        parent is far behind, or another process filled it) leaves named
+        files; an inbox that is gone (the call is over) raises, as sending
+        to it would.
+        """
+        if self._connection is None and not self._unreachable and self.spec.inbox is not None:
+            try:
+                self._connection = _handoff.connect(self.spec.inbox, self.spec.owner)
+            except OSError as exc:
+                if not _parent_busy(exc):
+                    raise
+                self._unreachable = True
+                logger.info("memshare: this task's results are named files: the parent's inbox is busy (%s)", exc)
+        return self._connection
 
     def _new_slot(self, array: np.ndarray, where: Optional[Slot]) -> int:
         self.slots.append(where)
@@ -348,6 +486,10 @@ class ResultPolicy:
         self._slot_by_id.clear()
         self._held.clear()
         pending.reverse()  # pop() from the end, in the order they were pickled
+        with _descriptor_limit_explained():
+            self._write(pending)
+
+    def _write(self, pending: List[Tuple[int, ArrayRef, List[np.ndarray]]]) -> None:
         while pending:
             slot, ref, box = pending.pop()
             release = can_release(box)  # before box[0] is read again: that read is one more reference
@@ -362,30 +504,114 @@ class ResultPolicy:
         return dataclasses.replace(self.spec.folder, in_memory=False)
 
     def send_memfds(self) -> None:
-        """Pass the parent the descriptors of every memfd in the slots, then close this worker's own.
+        """Pass the parent the descriptors of every memfd in the slots, closing this worker's own as it goes.
 
         Call it after :meth:`write_pending`, before returning the outcome, so
-        that they are queued at the parent when the outcome arrives. Raises
-        OSError when the parent's inbox is gone: the caller then discards
-        everything (:meth:`discard_written`).
+        that they are queued at the parent when the outcome arrives. They go
+        ``SEND_BATCH`` at a time, each duplicated for its message only and
+        closed with its original once queued, so that sending needs few
+        descriptors beyond those the results hold. What the parent cannot
+        take now (a send that timed out, too many descriptors in flight)
+        becomes named result files (:meth:`_to_named_files`). Raises OSError
+        when the parent's inbox is gone: the caller then discards everything
+        (:meth:`discard_written`).
         """
-        ours = [s for s in self.slots if isinstance(s, ArrayRef) and s.path in self._written]
-        memfds = [s for s in ours if _memfd.is_memfd_path(s.path)]
-        if not memfds and not self._handed:
-            return
-        fds = [_memfd.duplicate(s.path) for s in memfds]
         try:
-            identities = [(s.device, s.inode) for s in memfds]
-            handed = [(fd, _identity(fd)) for fd in self._handed]
-            _handoff.send(self.spec.inbox, self.spec.owner, list(zip(fds, identities)) + handed)
+            with _descriptor_limit_explained():
+                self._send_memfds()
         finally:
-            for fd in fds:
+            self._close_connection()
+
+    def _send_memfds(self) -> None:
+        results = [
+            s.path
+            for s in self.slots
+            if isinstance(s, ArrayRef) and s.path in self._written and _memfd.is_memfd_path(s.path)
+        ]
+        if not results and not self._handed:
+            return
+        connection = self._connection  # memfds are made only once it is connected
+        if connection is None:
+            raise ConnectionError("memshare: result memfds were made without a connection to the parent")
+        try:
+            while results:
+                batch = results[: self.SEND_BATCH]
+                fds: List[int] = []
+                try:
+                    for path in batch:
+                        fds.append(_memfd.duplicate(path))
+                    _handoff.send_on(connection, [(fd, _identity(fd)) for fd in fds])
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                # Queued at the parent now: its copies keep the memory, ours can go.
+                for path in batch:
+                    delete_file(path)
+                    self._written.remove(path)
+                del results[: len(batch)]
+            while self._handed:
+                batch = self._handed[: self.SEND_BATCH]
+                _handoff.send_on(connection, [(fd, _identity(fd)) for fd in batch])
+                for fd in batch:
+                    os.close(fd)
+                del self._handed[: len(batch)]
+        except OSError as exc:
+            if not _parent_busy(exc):
+                raise
+            logger.info(
+                "memshare: %d results of this task are named files: the parent could not take their memfds now (%s)",
+                len(results) + len(self._handed),
+                exc,
+            )
+            self._to_named_files(results)
+
+    def _to_named_files(self, results: List[str]) -> None:
+        """Copy the memfds not sent (``results``, and the shared arrays still held) into named result files.
+
+        Each slot that named one then names its copy, or holds the array by
+        value when no file has room for it (the parent warns about either).
+        """
+        for path in results:
+            fd = _memfd.duplicate(path)
+            try:
+                self._copy_out(fd)
+            finally:
                 os.close(fd)
-        # Queued at the parent now: its copies keep the memory, ours can go.
-        for ref in memfds:
-            delete_file(ref.path)
-            self._written.remove(ref.path)
-        self._close_handed()
+            delete_file(path)
+            self._written.remove(path)
+        while self._handed:
+            self._copy_out(self._handed[0])
+            os.close(self._handed.pop(0))
+
+    def _copy_out(self, source: int) -> None:
+        identity, size = _identity(source), os.fstat(source).st_size
+        named: Union[Tuple[str, Tuple[int, int]], np.ndarray]
+        try:
+            path, fd = self._named_folder().create_file(size, RESULT, warn=False)  # the parent warns
+        except SharedMemoryFullError:
+            named = _read_all(source, size)
+        else:
+            self._written.append(path)
+            try:
+                _copy_file(source, fd, size)
+                named = (path, _identity(fd))
+            finally:
+                os.close(fd)
+        for index, slot in enumerate(self.slots):
+            if not isinstance(slot, ArrayRef) or (slot.device, slot.inode) != identity:
+                continue
+            if isinstance(named, np.ndarray):
+                self.slots[index] = np.ndarray(
+                    slot.shape, slot.dtype, buffer=named, offset=slot.offset, strides=slot.strides
+                )
+            else:
+                path, (device, inode) = named
+                self.slots[index] = dataclasses.replace(slot, path=path, device=device, inode=inode)
+
+    def _close_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()  # the parent reads what was queued before the close
+            self._connection = None
 
     def _close_handed(self) -> None:
         for fd in self._handed:
@@ -401,14 +627,16 @@ class ResultPolicy:
         array is garbage-collected. Both then map the same pages.
         """
         if _memfd.is_memfd_path(ref.path):
-            if self.spec.inbox is None:
-                return None
-            if (ref.device, ref.inode) not in map(_identity, self._handed):  # two views of one array: one descriptor
+            # Two views of one array: one descriptor.
+            if (ref.device, ref.inode) not in map(_identity, self._handed):
+                if not self._room_for_memfd():
+                    return None
                 fd = os.open(ref.path, os.O_RDWR | os.O_CLOEXEC)  # a magic link: checked after opening
                 if _identity(fd) != (ref.device, ref.inode) or _memfd.kind_of_descriptor(fd) != SHARED:
                     os.close(fd)
                     return None
                 self._handed.append(fd)
+                self._memfd_results += 1
             return dataclasses.replace(ref, kind=RESULT, mode="r+")
         path = self.spec.folder.link_file(ref.path, RESULT)
         if path is None:
@@ -423,6 +651,7 @@ class ResultPolicy:
         self._held.clear()
         self.slots.clear()
         self._close_handed()
+        self._close_connection()
         for path in self._written:
             delete_file(path)
         self._written.clear()
@@ -431,6 +660,73 @@ class ResultPolicy:
 def _identity(fd: int) -> Tuple[int, int]:
     info = os.fstat(fd)
     return info.st_dev, info.st_ino
+
+
+#: errno values of a send or connect meaning that the parent's inbox is there but cannot take more now.
+_BUSY_ERRNOS = (errno.EAGAIN, errno.ETIMEDOUT, errno.ETOOMANYREFS, errno.ENOBUFS)
+
+
+def _parent_busy(exc: OSError) -> bool:
+    """True when ``exc`` says the inbox cannot take descriptors now (named files then); False: it is gone."""
+    return isinstance(exc, (BlockingIOError, socket.timeout)) or exc.errno in _BUSY_ERRNOS
+
+
+def _free_descriptors() -> Optional[int]:
+    """How many more descriptors this process may open now; None when there is no limit to speak of."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor is gone again
+    except OSError:
+        return None
+    return soft - open_now
+
+
+@contextlib.contextmanager
+def _descriptor_limit_explained() -> Iterator[None]:
+    """Raise running out of descriptors as what it is, with the limit and the fix (not as "no room")."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE) or str(exc).startswith("memshare:"):
+            raise
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource is not None else "?"
+        which = "this worker's limit" if exc.errno == errno.EMFILE else "the system's limit"
+        raise OSError(
+            exc.errno,
+            f"memshare: a worker ran out of file descriptors ({which}; ulimit -n is {soft}) while "
+            f"sending a result back ({exc.strerror}). Raise the limit (ulimit -n, or resource.setrlimit "
+            "in the pool's initializer), or return fewer separate large arrays per task (stack them into one)",
+        ) from exc
+
+
+def _copy_file(source: int, target: int, nbytes: int) -> None:
+    """Copy the first ``nbytes`` of ``source`` into ``target``, from its start."""
+    done = 0
+    while done < nbytes:
+        block = memoryview(os.pread(source, min(_COPY_BYTES, nbytes - done), done))
+        if not block:
+            raise OSError(f"memshare: a result memfd is shorter than its {nbytes} bytes")
+        written = 0
+        while written < len(block):
+            written += os.pwrite(target, block[written:], done + written)
+        done += written
+
+
+def _read_all(source: int, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of ``source``, as a new byte array."""
+    data = np.empty(nbytes, np.uint8)
+    view = memoryview(data)
+    done = 0
+    while done < nbytes:
+        count = os.preadv(source, [view[done:]], done)
+        if count == 0:
+            raise OSError(f"memshare: a result memfd is shorter than its {nbytes} bytes")
+        done += count
+    return data
 
 
 def by_value(array: np.ndarray) -> None:

@@ -13,6 +13,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -46,7 +47,45 @@ static int drop_private_copies(void *address, size_t length, int fd, off_t offse
     return madvise(address, length, MADV_DONTNEED);
 }
 
-/* Parse (fd, file_offset, address, length), write the memory into the file, then run ``then``. */
+/* Raise ValueError and return -1 when the arguments are not whole pages of an open file; else 0.
+ *
+ * Checked before anything is written: both steps work on whole pages (mmap
+ * and madvise round a partial page up and would zero, or drop, the rest of
+ * it), and a step that failed on an unaligned address after the write would
+ * leave the file written for nothing. */
+static int check_arguments(int fd, long long offset, unsigned long long address, Py_ssize_t length) {
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0)
+        page = 4096;
+    if (length <= 0 || length % page != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "memshare: the length must be a positive multiple of the page size (%ld bytes), not %zd", page,
+                     length);
+        return -1;
+    }
+    if (address == 0 || address % (unsigned long long)page != 0) {
+        PyErr_Format(PyExc_ValueError, "memshare: the address 0x%llx is not at the start of a page (%ld bytes)",
+                     address, page);
+        return -1;
+    }
+    if (address + (unsigned long long)length < address) {
+        PyErr_SetString(PyExc_ValueError, "memshare: the range wraps around the end of the address space");
+        return -1;
+    }
+    if (offset < 0 || offset % page != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "memshare: the file offset must be a non-negative multiple of the page size (%ld bytes), not %lld",
+                     page, offset);
+        return -1;
+    }
+    if (fd < 0 || fcntl(fd, F_GETFD) == -1) {
+        PyErr_Format(PyExc_ValueError, "memshare: %d is not an open file descriptor", fd);
+        return -1;
+    }
+    return 0;
+}
+
+/* Parse (fd, file_offset, address, length), check them, write the memory into the file, then run ``then``. */
 static PyObject *write_then(PyObject *args, second_step then) {
     int fd;
     long long offset;
@@ -54,10 +93,8 @@ static PyObject *write_then(PyObject *args, second_step then) {
     Py_ssize_t length;
     if (!PyArg_ParseTuple(args, "iLKn", &fd, &offset, &address, &length))
         return NULL;
-    if (length < 0 || offset < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative length or offset");
+    if (check_arguments(fd, offset, address, length) < 0)
         return NULL;
-    }
     if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0 ||
         then((void *)(uintptr_t)address, (size_t)length, fd, (off_t)offset) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -67,14 +104,16 @@ static PyObject *write_then(PyObject *args, second_step then) {
 PyDoc_STRVAR(copy_then_remap_doc,
              "copy_then_remap(fd, file_offset, address, length)\n\n"
              "Write the memory [address, address + length) into fd at file_offset, then map that\n"
-             "part of the file privately over the same memory (whole pages, congruent offsets).");
+             "part of the file privately over the same memory. address, file_offset and length must\n"
+             "be whole pages (ValueError before anything is touched otherwise).");
 
 static PyObject *copy_then_remap(PyObject *self, PyObject *args) { return write_then(args, remap_private); }
 
 PyDoc_STRVAR(rewrite_then_drop_doc,
              "rewrite_then_drop(fd, file_offset, address, length)\n\n"
              "Write the memory [address, address + length) into fd at file_offset, then drop the\n"
-             "private copies of those pages so that they read the file again (whole pages).");
+             "private copies of those pages so that they read the file again. address, file_offset\n"
+             "and length must be whole pages (ValueError before anything is touched otherwise).");
 
 static PyObject *rewrite_then_drop(PyObject *self, PyObject *args) { return write_then(args, drop_private_copies); }
 

@@ -143,7 +143,7 @@ class Session:
         if not self.folder.pair.in_memory:
             return None
         try:
-            return Inbox()
+            return Inbox(self.folder.pair.primary)  # the session's private folder: no other user can connect
         except OSError as exc:
             logger.info("memshare: results are named files, no socket to receive memfds on: %s", exc)
             return None
@@ -214,7 +214,7 @@ class Session:
         if by_value:
             warn_result_pickled(pair, max(array.nbytes for array in by_value))
         if self._inbox is None:
-            return restore(outcome)
+            return restore(outcome, folder=self.folder.pair)
         return self._restore_with_memfds(outcome, self._inbox)
 
     def _restore_with_memfds(self, outcome: Outcome, inbox: Inbox) -> Tuple[bool, Any]:
@@ -234,11 +234,13 @@ class Session:
             return os.dup(claimed[identity])
 
         try:
-            return restore(outcome, receive)
+            return restore(outcome, receive, folder=self.folder.pair)
         finally:
             for fd in claimed.values():
                 os.close(fd)
-            inbox.discard([(ref.device, ref.inode) for ref in outcome.result_files()])
+            # One descriptor came per memfd this outcome names (others of the same memfd
+            # belong to other outcomes): close those it did not claim.
+            inbox.discard({(ref.device, ref.inode) for ref in outcome.result_files()} - claimed.keys())
 
     def task_done(self, token: int) -> None:
         """The task ``token`` will not read its inputs any more (done or abandoned)."""
@@ -288,10 +290,19 @@ class Session:
         return True
 
     def _dump(self, array: np.ndarray, mode: Optional[str], record: _TaskRecord) -> ArrayRef:
+        """The reference to ``array``'s dump (or its held file), workers mapping it with ``mode`` or the session's.
+
+        An earlier call of the session may have dumped the array when its
+        mode was another one (a copy-on-write memmap made read-only since):
+        the file is reused, the mode is always the one asked for now. Any mode
+        is safe for a dump: the file is the session's copy, never the
+        parent's array.
+        """
         if mode is None and self.settings.promote:
             ref = self._hold_once(array, record)
             if ref is not None:
                 return ref
+        wanted = mode or self._worker_mode()
         entry = self._by_array.get(array)
         if entry is not None and entry.ref is not None and entry.generation != self._generation:
             if entry.pending == 0 and not self._matches_file(entry, array):
@@ -302,7 +313,7 @@ class Session:
             self._by_array.add(array, entry, self._forget)
         if entry.ref is None:
             self._evict_idle(limit=self._pending_bytes())
-            ref, seconds = dump_array(self.folder.pair, array, DUMP, mode or self._worker_mode())
+            ref, seconds = dump_array(self.folder.pair, array, DUMP, wanted)
             entry.ref, entry.generation = ref, self._generation
             self._by_path[ref.path] = entry
             self.stats.add(arrays_dumped=1, bytes_dumped=array.nbytes, dump_seconds=seconds)
@@ -310,7 +321,7 @@ class Session:
                 self.stats.add(fallback_files=1)
             log_decision(DUMPED, array, ref.path, seconds)
         self._use(entry, record)
-        return entry.ref
+        return entry.ref if entry.ref.mode == wanted else dataclasses.replace(entry.ref, mode=wanted)
 
     def _hold_once(self, array: np.ndarray, record: _TaskRecord) -> Optional[ArrayRef]:
         """The reference to ``array``'s own file when it is (or now becomes) held once; None: dump it.
@@ -319,13 +330,28 @@ class Session:
         once per generation after that, and dumped as before when it cannot
         be held once (the reason is logged once per call) or cannot be
         brought up to date in place.
+
+        The mode rule comes first, for every array: a held file is the
+        parent's memory, so a session whose workers map writable (``r+``,
+        ``w+``) dumps the array even when an earlier call of the process
+        holds it already; the held file is neither sent nor refreshed.
+        An array held once is otherwise sent whatever this session's
+        ``temp_folder``: it needs no new file, so nothing is written
+        anywhere (``promote=False`` does dump it: that session turned
+        holding once off).
         """
         generation = self._generation
         if self._not_held_once.get(array) == generation:
             return None
+        worker_mode = self._worker_mode()
+        mode_reason = _promotion.mode_unfit_reason(worker_mode)
+        if mode_reason is not None:
+            self._not_held_once.add(array, generation)
+            log_decision(NOT_HELD_ONCE, array, f"dumped instead: {mode_reason}")
+            return None
         held = _promotion.lookup(array)
         if held is None:
-            reason = _promotion.unfit_reason(array, self._worker_mode(), self.settings.temp_folder)
+            reason = _promotion.unfit_reason(array, worker_mode, self.settings.temp_folder)
             if reason is None:
                 try:
                     held, seconds = _promotion.promote(array)
@@ -356,7 +382,7 @@ class Session:
         held.acquire()
         record.held_once.append(held)
         record.held.append(array)  # its file lives as long as the array
-        return dataclasses.replace(held.ref, mode=self._worker_mode())
+        return held.reference(worker_mode)
 
     def _worker_mode(self) -> str:
         return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -37,8 +38,15 @@ def _serve(stream: IO[bytes]) -> None:
         elif action == b"-":
             registered.discard(path)
     for path in registered:
-        # rmtree never follows a symlink out of the tree it deletes.
-        shutil.rmtree(path, ignore_errors=True)
+        # Only a directory of this user: a folder (or symlink) another user
+        # planted at one of the registered names, which the owner passed
+        # over, is theirs. rmtree never follows a symlink out of the tree.
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class WatchdogClient:

@@ -137,8 +137,8 @@ if __name__ == "__main__":
 def test_sweep_never_deletes_a_live_owner_and_survives_pid_reuse(tmp_path):
     me = Owner.current()
     live = tmp_path / new_folder_name(me)
-    reused = tmp_path / new_folder_name(Owner(me.pid, me.start + 1, me.namespace))  # same pid, other start
-    other_ns = tmp_path / new_folder_name(Owner(999_999, 1, me.namespace + 1))
+    reused = tmp_path / new_folder_name(Owner(me.pid, me.start + 1, me.namespace, me.host))  # same pid, other start
+    other_ns = tmp_path / new_folder_name(Owner(999_999, 1, me.namespace + 1, me.host))
     for folder in (live, reused, other_ns):
         folder.mkdir()
         (folder / "dump-x.bin").write_bytes(b"x" * 4096)
