@@ -152,6 +152,8 @@ class Inbox:
         An outcome passes each identity it did not take, once: the
         descriptors queued for later outcomes of the same memfd stay.
         """
+        if not identities:
+            return  # the common case (no result memfds): no system call
         with self._lock:
             self._drain()
             for identity in identities:

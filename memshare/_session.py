@@ -120,6 +120,8 @@ class Session:
         self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
         self._idle: OrderedDict[str, _Dump] = OrderedDict()
         self._tokens = itertools.count(1)
+        # next() on a count is atomic under the GIL: a new call needs no lock.
+        self._generations = itertools.count(1)
         self._generation = 0
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
@@ -152,8 +154,7 @@ class Session:
 
     def new_generation(self) -> None:
         """Mark the start of a new call: reused arrays get checked for changes."""
-        with self._lock:
-            self._generation += 1
+        self._generation = next(self._generations)
 
     # -- tasks ---------------------------------------------------------------
 
@@ -167,29 +168,40 @@ class Session:
         dumping (``SharedMemoryFullError``...) and ``KeyboardInterrupt`` are
         raised as themselves.
         """
+        # The lock is taken for each array the pickler meets (_reduce_argument)
+        # and to register the task, not across the pickling of everything
+        # else: the result thread finishing other tasks need not wait for it.
+        self._check_open()
         record = _TaskRecord()
         reduce_array = functools.partial(self._reduce_argument, record)
-        with self._lock:
-            self._check_open()
-            token = next(self._tokens)
-            try:
-                stream = pack((func, args, kwargs or {}), reduce_array, reducers=self._reducers)
-            except Exception as exc:
-                self._release_record(record)
-                if exc is record.error:
-                    raise
-                raise UnpicklableArgumentError(
-                    f"memshare: cannot send a call of {_name_of(func)} to a worker process: "
-                    f"{type(exc).__name__}: {exc}. Pass only "
-                    "picklable arguments (locks, open files, generators, sockets and database connections are "
-                    "not), create such objects inside the task, or use backend='threading'."
-                ) from exc
-            except BaseException:
-                self._release_record(record)
+        try:
+            stream = pack((func, args, kwargs or {}), reduce_array, reducers=self._reducers)
+        except Exception as exc:
+            self._abandon(record)
+            if exc is record.error:
                 raise
+            raise UnpicklableArgumentError(
+                f"memshare: cannot send a call of {_name_of(func)} to a worker process: "
+                f"{type(exc).__name__}: {exc}. Pass only "
+                "picklable arguments (locks, open files, generators, sockets and database connections are "
+                "not), create such objects inside the task, or use backend='threading'."
+            ) from exc
+        except BaseException:
+            self._abandon(record)
+            raise
+        with self._lock:
+            if self._closed:  # closed while this task was packed: its files went with the folder
+                self._release_record(record)
+                self._check_open()
+            token = next(self._tokens)
             self._tasks[token] = record
             self.stats.add(tasks=1, bytes_pickled=len(stream))
         return Task(token, stream, self._results)
+
+    def _abandon(self, record: _TaskRecord) -> None:
+        """Release what a task that will never be sent holds."""
+        with self._lock:
+            self._release_record(record)
 
     def finish(self, outcome: Outcome) -> Tuple[bool, Any]:
         """Release a finished task's files and restore its result or exception.
@@ -249,13 +261,15 @@ class Session:
             if record is not None:
                 self._release_record(record)
 
-    # -- carrying out routes (called while pickling, with the lock held) -------
+    # -- carrying out routes (called while pickling, each with the lock held) ---
 
     def _reduce_argument(self, record: _TaskRecord, array: np.ndarray) -> Optional[Reduction]:
         """The pickler's array policy for task arguments: decide the route, carry it out into ``record``."""
         try:
-            route = input_route(array, self.settings.max_nbytes, self._by_path.keys())
-            return self._carry_out(route, array, record)
+            with self._lock:
+                self._check_open()  # never a new file once the session has closed (its folder is gone)
+                route = input_route(array, self.settings.max_nbytes, self._by_path.keys())
+                return self._carry_out(route, array, record)
         except BaseException as exc:
             record.error = exc
             raise
@@ -499,6 +513,9 @@ def _name_of(func: Any) -> str:
     items = getattr(func, "items", None)  # a joblib batch: name the function it calls
     if isinstance(items, list) and items and isinstance(items[0], tuple):
         func = items[0][0]
+    inner = getattr(func, "func", None)  # a pool's map chunk, or a functools.partial: the function it calls
+    if callable(inner):
+        func = inner
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 

@@ -124,3 +124,13 @@ def test_standard_pool_agrees_on_chunked_values():
     with multiprocessing.get_context("fork").Pool(2) as standard, MemmappingPool(2, context="fork") as ours:
         for chunksize in (None, 1, 5):
             assert ours.map(add_one, range(37), chunksize) == standard.map(add_one, range(37), chunksize)
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not today")
+
+
+def test_an_unpicklable_item_names_the_mapped_function(pool):
+    with pytest.raises(memshare.UnpicklableArgumentError, match="call of add_one to a worker"):
+        pool.map(add_one, [1, 2, _Unpicklable(), 4], chunksize=2)
