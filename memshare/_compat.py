@@ -16,15 +16,17 @@ here too, and ``pool.py`` says why at each override.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver as _mp_forkserver
 import multiprocessing.pool as _mp_pool
 import multiprocessing.queues as _mp_queues
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import joblib
+import joblib.parallel as _joblib_parallel
 import numpy as np
 from joblib.externals.loky import process_executor as _loky_process_executor
 
@@ -76,6 +78,11 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: all(_uses_attribute(joblib.Parallel, name) for name in ("_original_iterator", "_iterating")),
     ),
     (
+        "joblib.parallel._backend (the thread's parallel_config)",
+        "doctor reports the options of an enclosing joblib.parallel_config(backend='memshare', ...)",
+        lambda: _has(_joblib_parallel, "_backend") and isinstance(_joblib_parallel.default_parallel_config, dict),
+    ),
+    (
         "loky process_executor._MAX_MEMORY_LEAK_SIZE",
         "workers lift loky's 300 MB leak limit, which the shared pages they map would trip",
         lambda: _has(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"),
@@ -118,6 +125,11 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         "sys._is_gil_enabled",
         "arrays are held once only where the GIL keeps other threads out of each copy-then-remap step",
         lambda: _has(sys, "_is_gil_enabled") or sys.version_info < (3, 13),
+    ),
+    (
+        "multiprocessing forkserver._forkserver._preload_modules",
+        "a MemmappingPool's fork server imports memshare once, keeping the modules the user asked it to preload",
+        lambda: isinstance(getattr(getattr(_mp_forkserver, "_forkserver", None), "_preload_modules", None), list),
     ),
     (
         "threading.Lock._at_fork_reinit",
@@ -170,6 +182,20 @@ def iterator_exhausted(parallel: Any) -> bool:
     return getattr(parallel, "_original_iterator", None) is None and not getattr(parallel, "_iterating", False)
 
 
+def parallel_config_options() -> Dict[str, Any]:
+    """The options the innermost ``joblib.parallel_config`` of this thread sets, without joblib's defaults.
+
+    joblib keeps the active configuration in a private thread-local and
+    offers no public way to read it; empty outside any ``parallel_config``
+    (or where the name is missing).
+    """
+    config = getattr(getattr(_joblib_parallel, "_backend", None), "config", None)
+    defaults = getattr(_joblib_parallel, "default_parallel_config", {})
+    if not isinstance(config, dict):
+        return {}
+    return {key: value for key, value in config.items() if value is not defaults.get(key)}
+
+
 # -- loky --------------------------------------------------------------------
 
 
@@ -181,6 +207,23 @@ def set_loky_leak_limit(nbytes: int) -> None:
     """
     if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
         _loky_process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
+
+
+# -- multiprocessing's fork server ----------------------------------------------
+
+
+def preload_in_fork_server(module: str) -> None:
+    """Have the fork server import ``module`` when it starts, besides the modules already asked for.
+
+    ``multiprocessing.set_forkserver_preload`` only replaces the list, which
+    is private: read it to keep what the user set. Once the server runs, the
+    list no longer matters and is left alone.
+    """
+    server = getattr(_mp_forkserver, "_forkserver", None)
+    modules = getattr(server, "_preload_modules", None)
+    if not isinstance(modules, list) or module in modules or getattr(server, "_forkserver_pid", None) is not None:
+        return
+    _mp_forkserver.set_forkserver_preload([*modules, module])
 
 
 # -- numpy ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import cloudpickle
 
 from . import _forksafe
-from ._compat import drain_task_queue, fail_pool_result, pending_pool_results, pool_size
+from ._compat import drain_task_queue, fail_pool_result, pending_pool_results, pool_size, preload_in_fork_server
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
@@ -138,6 +138,11 @@ class MemmappingPool(Pool):
         check_prewarm(prewarm)
         check_context_id(context_id)
         context = resolve_context(context)
+        if context.get_start_method() == "forkserver":
+            # Workers forked from a server that has memshare (numpy, joblib)
+            # imported start at once; otherwise each imports it, and a second
+            # pool or a replacement worker pays that again.
+            preload_in_fork_server("memshare")
         setup = cloudpickle.dumps((initializer, backward_reducers))
         self._session = Session(settings, forward_reducers)
         self._feed = TaskFeed(self._session)  # before Pool.__init__: _setup_queues uses it

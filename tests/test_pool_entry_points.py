@@ -66,3 +66,34 @@ def test_main_file_is_restored_after_workers_start():
     result = _run(["-"], stdin=code)
     assert result.returncode == 0, result.stderr
     assert result.stdout == EXPECTED + "<stdin>\n"
+
+
+PRELOAD_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing
+    import os
+    import sys
+
+    from memshare import MemmappingPool
+
+    def where_am_i(_):
+        # Under forkserver a worker is a child of the fork server: numpy in the server's maps means memshare
+        # (which imports it) was preloaded there; colorsys is the user's own preload, which must be kept.
+        with open(f"/proc/{os.getppid()}/maps") as maps:
+            server_has_numpy = "_multiarray_umath" in maps.read()
+        return server_has_numpy, "colorsys" in sys.modules
+
+    if __name__ == "__main__":
+        multiprocessing.set_forkserver_preload(["colorsys"])
+        with MemmappingPool(2) as pool:
+            print(set(pool.map(where_am_i, range(4))))
+    """
+)
+
+
+def test_the_fork_server_preloads_memshare_and_keeps_the_users_preload(tmp_path):
+    script = tmp_path / "preload.py"
+    script.write_text(PRELOAD_SCRIPT)
+    result = _run([str(script)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "{(True, True)}\n"
