@@ -162,8 +162,9 @@ class Inbox:
                     os.close(fd)
 
     def held(self) -> int:
-        """How many received descriptors wait to be taken."""
+        """How many received descriptors wait to be taken, once whatever is queued has been read."""
         with self._lock:
+            self._drain()
             return sum(len(fds) for fds in self._received.values())
 
     def close(self) -> None:
