@@ -34,6 +34,8 @@ setup(
             "hypothesis>=6",
             "scikit-learn>=1.2",
             "pandas>=1.5",
+            "pyarrow>=10.0.1",
+            "matplotlib>=3.5",
             "scipy>=1.9",
             "dask[distributed]>=2023.1",
             "ruff>=0.5",

@@ -3,8 +3,10 @@
 The harness ships with the package (``memshare._benchmarks``), so the command
 works from any folder after a plain ``pip install``; ``benchmarks/run.py`` in
 the repository is the full-run entry point over the same harness. Its optional
-dependencies (matplotlib for ``--plot``, scikit-learn for workload g) come
-with the ``bench`` extra and are checked before anything runs.
+dependencies (matplotlib for ``--plot`` and the default run's picture,
+scikit-learn for workload g) come with the ``bench`` extra: what ``--plot`` and
+workload g need is checked before anything runs; without matplotlib the run
+writes no picture and says how to get one.
 """
 
 from __future__ import annotations

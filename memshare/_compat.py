@@ -122,6 +122,11 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: _has(_np_multiarray, "get_handler_name") or not _NUMPY_PLUGGABLE_ALLOCATOR,
     ),
     (
+        "numpy memmap._mmap",
+        "slices of an array mapped without a descriptor stay np.memmap objects, as for a memmap numpy opened",
+        lambda: _uses_attribute(np.memmap, "_mmap"),
+    ),
+    (
         "sys._is_gil_enabled",
         "arrays are held once only where the GIL keeps other threads out of each copy-then-remap step",
         lambda: _has(sys, "_is_gil_enabled") or sys.version_info < (3, 13),
@@ -242,6 +247,17 @@ def made_by_default_allocator(array: np.ndarray) -> bool:
         return True
     get_handler_name = getattr(_np_multiarray, "get_handler_name", None)
     return get_handler_name is not None and get_handler_name(array) == "default_allocator"
+
+
+def set_memmap_owner(array: np.memmap, owner: Any) -> None:
+    """Give ``array`` the object owning its mapping as numpy's ``np.memmap.__new__`` does (``_mmap``).
+
+    numpy turns a slice of a memmap whose ``_mmap`` is None into a plain
+    ndarray, and copies ``_mmap`` to every view; an ``np.memmap`` that memshare
+    builds over a mapping that keeps no descriptor must carry it for its
+    slices to stay memmaps. Setting it is harmless where numpy stops using it.
+    """
+    array._mmap = owner
 
 
 def gil_enabled() -> bool:

@@ -145,6 +145,29 @@ def folder_from_environment() -> Optional[Tuple[str, str]]:
     return None
 
 
+#: File system types that keep their files in RAM: a temp folder anywhere else is on a disk.
+RAM_FSTYPES = frozenset({"tmpfs", "ramfs"})
+
+
+def disk_folder_message(folder: str, fstype: Optional[str], why: str) -> Optional[str]:
+    """What a temp folder the user chose costs when it is on a disk file system; None when it is in RAM.
+
+    ``fstype`` is the type of the file system holding ``folder`` (None when
+    unknown: no message, rather than a wrong one); ``why`` names the setting
+    that chose it (``the temp_folder argument``, ``the MEMSHARE_TEMP_FOLDER
+    environment variable``...). The warning of a call and doctor's note say
+    the same.
+    """
+    if fstype is None or fstype in RAM_FSTYPES:
+        return None
+    return (
+        f"memshare: the temp folder {folder} (chosen by {why}) is on {fstype}, not RAM: every array memshare "
+        "shares is written to the disk, which is slower, and the page cache holds its data as well while "
+        "workers read it. To share through RAM, leave temp_folder unset (and MEMSHARE_TEMP_FOLDER and "
+        "JOBLIB_TEMP_FOLDER unset): memshare then uses memfds or /dev/shm; or point it at a folder in /dev/shm."
+    )
+
+
 def check_promote(value: object) -> bool:
     """The ``promote`` setting: the argument when given, else ``$MEMSHARE_PROMOTE``, else True."""
     if value is None:

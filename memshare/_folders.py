@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from . import _forksafe, _memfd
-from ._config import ENV_TEMP_FOLDER, folder_from_environment, format_bytes, resolve_folder
+from ._config import ENV_TEMP_FOLDER, disk_folder_message, folder_from_environment, format_bytes, resolve_folder
 from ._errors import SharedMemoryFallbackWarning, SharedMemoryFullError
 from ._owners import FOLDER_PREFIX, OWNER_DEAD, Owner, new_folder_name, new_twin_name, parse_folder_name
-from ._watchdog import WatchdogClient
+from ._watchdog import WatchdogClient, remove_loky_semaphores
 
 logger = logging.getLogger("memshare")
 
@@ -93,6 +93,7 @@ class Location:
     base: str
     in_memory: bool
     reason: str
+    chosen_by: Optional[str] = None  # the setting that chose the folder, when the user chose it
 
 
 def choose_location(explicit: Optional[str] = None) -> Location:
@@ -104,7 +105,7 @@ def choose_location(explicit: Optional[str] = None) -> Location:
     """
     base, why = default_base(explicit)
     if resolve_folder(explicit) is not None or folder_from_environment() is not None:
-        return Location(base, False, f"named files in {base}: {why} is set")
+        return Location(base, False, f"named files in {base}: {why} is set", chosen_by=why)
     probed = _memfd.decision()
     if probed.in_memory:
         return Location(base, True, f"memfds: {probed.reason}")
@@ -262,9 +263,12 @@ def ensure_private_dir(path: str) -> None:
         # would only recurse, so the second failure is reported.
         parent = os.path.dirname(path)
         try:
+            created = not os.path.isdir(parent)
             os.makedirs(parent, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise _unusable_base(exc, parent) from None
+        if created:  # a mistyped temp_folder would otherwise appear silently
+            logger.info("memshare: created the temp folder %s (mode 0700): it did not exist", parent)
         try:
             _make_dir(path)
         except OSError as exc:
@@ -536,6 +540,17 @@ def warn_fallback(primary: str, used: str, nbytes: int, stacklevel: int = 3) -> 
     )
 
 
+def warn_if_on_disk(location: Location, stacklevel: int = 3) -> None:
+    """Warn once per process and folder when the user chose a temp folder on a disk (see ``disk_folder_message``)."""
+    if location.in_memory or location.chosen_by is None:
+        return
+    message = disk_folder_message(
+        location.base, mount_fstype(os.path.realpath(location.base), read_mountinfo()), location.chosen_by
+    )
+    if message is not None and _first_warning(location.base, "not RAM"):
+        warnings.warn(message, SharedMemoryFallbackWarning, stacklevel=stacklevel)
+
+
 def warn_result_pickled(pair: FolderPair, nbytes: int, stacklevel: int = 2) -> None:
     """Warn, once per folder, that a result of ``nbytes`` fitted in no file and was pickled."""
     if not _first_warning(pair.primary, "pickled"):
@@ -612,6 +627,7 @@ class TempFolder:
     def __init__(self, base: Optional[str] = None, location: Optional[Location] = None) -> None:
         """``location`` (from :func:`choose_location`) wins over ``base`` (an explicit temp folder)."""
         location = location or choose_location(base)
+        warn_if_on_disk(location)
         primary_base = location.base
         owner = Owner.current()
         fallback = fallback_base(primary_base)
@@ -727,6 +743,8 @@ def sweep_dead_owners(bases, dry_run: bool = False, network: bool = False) -> Li
     true; even then only this host's dead owners' folders go (an owner
     on another host, or named without a host there, is never judged dead).
     A folder that could not be removed is not reported (it is still there).
+    The named semaphores loky made for a dead owner's pid go with its folder
+    (reported with size 0).
     """
     removed = []
     for found in find_folders(bases):
@@ -739,6 +757,8 @@ def sweep_dead_owners(bases, dry_run: bool = False, network: bool = False) -> Li
             if os.path.lexists(path):
                 continue
         removed.append((path, size))
+        # And the named semaphores loky made for that pid, if no process has it now (see _watchdog).
+        removed.extend((sem, 0) for sem in remove_loky_semaphores(found.owner.pid, dry_run=dry_run))
     return removed
 
 

@@ -15,7 +15,16 @@ task's private writes must not leak into the next task.
 needs none once it exists (the kernel keeps the file alive while it is
 mapped), but ``mmap.mmap`` keeps a duplicate until it is closed, so a process
 holding thousands of arrays would hold thousands of descriptors and meet its
-``RLIMIT_NOFILE``. The parent maps adopted results that way.
+``RLIMIT_NOFILE``. The parent maps adopted results that way, and every
+process maps references that way (:func:`map_file`): open, map, close. The
+array rebuilt from a reference is still an ``np.memmap`` reporting the
+``filename``, ``offset`` and ``mode`` numpy gives (see :func:`map_file`).
+
+The cache is bounded by count (``CACHE_LIMIT``), least recently used first
+out: every mapping is an entry of the process's ``vm.max_map_count``, and a
+worker sent tens of thousands of arrays over many tasks must not meet that
+limit because of mappings it no longer needs. Dropping a cached mapping only
+forgets it: arrays still alive keep their mapping (they own it).
 """
 
 from __future__ import annotations
@@ -28,14 +37,19 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
 from . import _forksafe, _memfd
+from ._compat import set_memmap_owner
 from ._refs import USER, ArrayRef, file_identity, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
+#: The pruner sleeps at least this many times what its last check took: stat-ing thousands of
+#: cached paths must not cost a worker more than a small share of one core.
+PRUNE_COST_FACTOR = 20
 _OPEN_FLAGS = {"r": os.O_RDONLY, "c": os.O_RDONLY, "r+": os.O_RDWR}
 _Key = Tuple[str, int, int, str]
 
@@ -73,6 +87,20 @@ _MAP_MODES = {
 }
 
 
+def _map_count_limit() -> int:
+    """The kernel's limit of mappings per process (``vm.max_map_count``); its default where unknown."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+#: Most mappings a process's cache keeps: an eighth of ``vm.max_map_count`` (read once; the
+#: rest is left to the live arrays, the allocator and the user's program), at most 8192.
+CACHE_LIMIT = max(64, min(8192, _map_count_limit() // 8))
+
+
 class _Mapping:
     """A mapping made through ctypes, as an array interface; unmapped when the last array over it dies.
 
@@ -85,6 +113,9 @@ class _Mapping:
     """
 
     __slots__ = ("address", "length", "__array_interface__", "_munmap")
+
+    #: Tells ``_refs.find_backing`` that arrays over this object map a file (as over an ``mmap.mmap``).
+    maps_file = True
 
     def __init__(self, address: int, length: int, writable: bool, munmap: Callable[..., Any]) -> None:
         self.address = address
@@ -99,6 +130,14 @@ class _Mapping:
 
     def __del__(self) -> None:
         self._munmap(self.address, self.length)
+
+
+class _MappedBytes(np.ndarray):
+    """The bytes of a ctypes mapping under the ``np.memmap`` that :func:`map_file` returns.
+
+    A type of its own only so that numpy never collapses the base of a view
+    of that memmap past it (see :func:`map_file`); nothing else differs.
+    """
 
 
 def map_descriptor(fd: int, length: int, mode: str = "r+") -> np.ndarray:
@@ -152,7 +191,7 @@ def _check_ref(ref: ArrayRef) -> None:
 
 
 def map_file(ref: ArrayRef) -> np.memmap:
-    """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap``.
+    """Map the whole file of ``ref`` as a 1-D uint8 ``np.memmap`` that keeps no descriptor.
 
     memshare's own files are opened with ``O_NOFOLLOW``: a link planted at
     their name is refused. A memfd's ``/proc/<pid>/fd/<n>`` path is a magic
@@ -162,20 +201,51 @@ def map_file(ref: ArrayRef) -> np.memmap:
     through a symbolic link keeps the link's name) are opened following
     links, as the user did: what was opened must still be the file the
     sender identified by (device, inode), wherever the link points now.
+
+    The file is mapped with :func:`map_descriptor` and its descriptor closed
+    before this returns. The result is an ``np.memmap`` view of that mapping
+    with the attributes numpy's own ``np.memmap.__new__`` sets (``filename``
+    the reference's path, ``offset`` 0, ``mode`` the mapping's); numpy's
+    ``__array_finalize__`` passes them to every slice, as for a memmap numpy
+    opened. On Python 3.13+ the memmap's base is the ``mmap.mmap`` (so
+    ``flush()`` reaches it, as in numpy); before, a plain array over the
+    ctypes mapping, where ``flush()`` does nothing (shared pages are visible
+    to every process as they are written; only the write-back to disk of a
+    user's file is left to the kernel's schedule).
     """
     _check_ref(ref)
     memfd = _memfd.is_memfd_path(ref.path)
     follow = memfd or (ref.kind == USER and kind_of_path(ref.path) == USER)
     flags = _OPEN_FLAGS[ref.mode] | getattr(os, "O_CLOEXEC", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
     fd = os.open(ref.path, flags)
-    with open(fd, "rb" if ref.mode != "r+" else "r+b") as handle:
+    try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or not ref.is_file(info):
             raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
         if memfd and ref.kind != USER and _memfd.kind_of_descriptor(fd) != ref.kind:
             raise PermissionError(f"memshare: refusing to map {ref.path!r}: not a memshare {ref.kind} memfd")
-        base = np.memmap(handle, dtype=np.uint8, mode=ref.mode)
-    base.filename = ref.path  # np.memmap leaves it unset for file objects
+        if info.st_size == 0:
+            raise ValueError(f"memshare: cannot map {ref.path!r}: the file is empty")
+        raw = map_descriptor(fd, info.st_size, ref.mode)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive; no descriptor is needed any more
+    owner = raw.base
+    if isinstance(owner, mmap.mmap):
+        # As numpy builds a memmap: an ndarray subclass straight over the mmap.
+        base = np.ndarray.__new__(np.memmap, raw.shape, np.uint8, buffer=owner)
+    else:
+        # numpy collapses a new view's base past every level of the view's own type: a plain
+        # ndarray made over ``base`` (as ``_shared_store`` does) would skip a memmap whose base
+        # is a plain ndarray, and a memmap view one whose base is a memmap, losing the file
+        # (or its offset). A level of a third type in between stops both.
+        base = raw.view(_MappedBytes).view(np.memmap)
+    del raw
+    # What np.memmap.__new__ sets; __array_finalize__ (which ran above and found no
+    # memmap to copy from) left them None, and copies them to every slice from now on.
+    base.filename = ref.path
+    base.offset = 0
+    base.mode = ref.mode
+    set_memmap_owner(base, owner)
     return base
 
 
@@ -203,13 +273,18 @@ def _end_of(ref: ArrayRef) -> int:
 
 
 class MappingCache:
-    """Mappings of shared files kept open in this process, thread-safe."""
+    """Mappings of shared files kept in this process, thread-safe, at most ``limit`` of them (LRU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: Optional[int] = None) -> None:
         self._lock = _forksafe.lock()
-        self._bases: Dict[_Key, np.memmap] = {}
+        self._bases: OrderedDict[_Key, np.memmap] = OrderedDict()
+        self._limit = CACHE_LIMIT if limit is None else limit
         self._pruner_started = False
         self._not_empty = threading.Event()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._bases)
 
     def array(self, ref: ArrayRef) -> np.memmap:
         if ref.mode == "c":
@@ -217,17 +292,23 @@ class MappingCache:
         key = (ref.path, ref.device, ref.inode, ref.mode)
         with self._lock:
             base = self._bases.get(key)
+            if base is not None:
+                self._bases.move_to_end(key)
         if base is None or len(base) < _end_of(ref):
             # New, or a user file that grew since it was mapped (same inode).
             base = map_file(ref)
             with self._lock:
                 self._bases[key] = base
+                self._bases.move_to_end(key)
+                while len(self._bases) > self._limit:
+                    # Forgotten, not unmapped: an array still alive over it keeps it.
+                    self._bases.popitem(last=False)
                 self._not_empty.set()
                 self._start_pruner()
         return view_of(base, ref)
 
     def prune(self) -> None:
-        """Drop mappings whose file was deleted or replaced."""
+        """Drop mappings whose file was deleted or replaced (the path, stat-ed: no descriptor is kept)."""
         with self._lock:
             keys = list(self._bases)
         stale = []
@@ -252,10 +333,13 @@ class MappingCache:
         thread.start()
 
     def _prune_forever(self) -> None:
+        took = 0.0
         while True:
             self._not_empty.wait()
-            time.sleep(PRUNE_INTERVAL)
+            time.sleep(max(PRUNE_INTERVAL, PRUNE_COST_FACTOR * took))
+            started = time.perf_counter()
             self.prune()
+            took = time.perf_counter() - started
 
 
 # One cache per process: mappings are a per-process resource, and every task

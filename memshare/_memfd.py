@@ -26,9 +26,15 @@ children, of the same user; workers running as another user could not open
 the ``/proc`` path, which the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is
 for that case.
 
-Descriptors: a live memfd costs its owner one descriptor, plus the one
-Python's ``mmap`` keeps for each mapping (as for a named file). A process
-out of descriptors (EMFILE) gets a named file instead.
+Descriptors: a live memfd costs its owner one descriptor (mappings keep
+none: ``_mapping.map_descriptor``). What memshare keeps open is held to a
+budget (:func:`budget`): ``BUDGET_SHARE`` of the process's soft
+``RLIMIT_NOFILE``, the rest being the user's program's. When the memfds held
+reach it, the soft limit is raised towards the hard limit, once per process
+(logged); past the budget after that, :func:`create` refuses with EMFILE and
+the caller makes a named file in its private folder instead, which needs no
+open descriptor (logged once, with the reason). A process out of descriptors
+(EMFILE) gets a named file the same way.
 
 A forked child closes the descriptors it inherited: it owns none of these
 files, and its copies would keep the parent's memory alive for as long as
@@ -37,6 +43,7 @@ the child lives.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -49,11 +56,23 @@ from typing import Dict, List, Optional, Tuple
 from . import _forksafe
 from ._stats import logger
 
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 #: Environment variable that turns memfds off ("0"), keeping named files.
 ENV_MEMFD = "MEMSHARE_MEMFD"
 NAME_PREFIX = "memshare-"
 _LINK_PATTERN = re.compile(r"^/memfd:memshare-([a-z]+)-[0-9a-f]{16} \(deleted\)$")
 _PROC_FD_PATTERN = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
+#: Share of the soft RLIMIT_NOFILE that the descriptors memshare keeps open may take.
+BUDGET_SHARE = 0.5
+#: Of the budget, what memfds leave to memshare's other descriptors: a session's result socket
+#: and its folder, result descriptors received and not yet mapped.
+RESERVED = 16
+#: The soft limit is raised to the hard limit, but not past this (a hard limit of millions is common).
+RAISE_CAP = 1 << 16
 #: The child of the probe opens the path it is given and prints what it opened.
 _PROBE_CHILD = "import os,sys;s=os.fstat(os.open(sys.argv[1],os.O_RDONLY));print(s.st_dev,s.st_ino)"
 
@@ -82,9 +101,12 @@ class _Registry:
         self.lock = _forksafe.rlock()
         self.fds: Dict[str, int] = {}
         self.decision: Optional[Decision] = None
+        self.raised = False  # the soft descriptor limit was raised (or found unraisable) once
+        self.over_budget_logged = False
 
     def after_fork_in_child(self) -> None:
         self.lock = _forksafe.rlock()
+        self.over_budget_logged = False
         for fd in self.fds.values():
             try:
                 os.close(fd)
@@ -152,12 +174,87 @@ def set_decision_for_tests(in_memory: bool, reason: str) -> None:
         _registry.decision = Decision(in_memory, reason)
 
 
+def descriptor_limits() -> Tuple[Optional[int], Optional[int]]:
+    """This process's (soft, hard) ``RLIMIT_NOFILE``; None for a limit that is unlimited or unknown."""
+    if resource is None:
+        return None, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (None if soft == resource.RLIM_INFINITY else soft), (None if hard == resource.RLIM_INFINITY else hard)
+
+
+def budget() -> Optional[int]:
+    """How many descriptors memshare may keep open in this process now; None without a limit."""
+    soft, _ = descriptor_limits()
+    return None if soft is None else int(soft * BUDGET_SHARE)
+
+
+def held_count() -> int:
+    """How many memfd descriptors this process keeps open (at most :func:`budget` less ``RESERVED``)."""
+    with _registry.lock:
+        return len(_registry.fds)
+
+
+def _raise_soft_limit() -> None:
+    """Raise the soft descriptor limit towards the hard one, once per process, and log it."""
+    soft, hard = descriptor_limits()
+    if soft is None or resource is None:
+        return
+    target = max(soft, RAISE_CAP) if hard is None else min(hard, max(soft, RAISE_CAP))
+    if target <= soft:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    except (OSError, ValueError) as exc:
+        logger.info("memshare: could not raise the soft descriptor limit from %d to %d: %s", soft, target, exc)
+        return
+    logger.info(
+        "memshare: raised the soft descriptor limit (ulimit -n) from %d to %d (hard limit %s): "
+        "memshare's shared memory needs more descriptors; it keeps at most %d%% of the limit",
+        soft,
+        target,
+        "unlimited" if hard is None else hard,
+        int(BUDGET_SHARE * 100),
+    )
+
+
+def within_budget() -> bool:
+    """True when one more memfd stays within the budget (raising the soft limit once if that helps)."""
+    with _registry.lock:
+        held = len(_registry.fds)
+        limit = budget()
+        if limit is None or held < limit - RESERVED:
+            return True
+        if not _registry.raised:
+            _registry.raised = True
+            _raise_soft_limit()
+            limit = budget()
+            if limit is None or held < limit - RESERVED:
+                return True
+        if not _registry.over_budget_logged:
+            _registry.over_budget_logged = True
+            soft, hard = descriptor_limits()
+            logger.info(
+                "memshare: new shared memory is named files in the private folder, not memfds: memshare holds "
+                "%d memfds, its budget of %d%% of the descriptor limit (soft %s, hard %s); the rest is left to "
+                "the program. Raise `ulimit -n` to use memfds for more arrays",
+                held,
+                int(BUDGET_SHARE * 100),
+                soft,
+                "unlimited" if hard is None else hard,
+            )
+        return False
+
+
 def create(kind: str) -> Tuple[str, int]:
     """A new empty 0600 memfd of ``kind``, held by this process: (its ``/proc`` path, a descriptor for the caller).
 
     The caller closes the descriptor it gets, as for a named file; the file
-    lives until :func:`release` closes the one kept here.
+    lives until :func:`release` closes the one kept here. Raises ``OSError``
+    with EMFILE when memshare's descriptors are at their budget (see the
+    module docstring): the caller makes a named file instead.
     """
+    if not within_budget():
+        raise OSError(errno.EMFILE, f"memshare: {held_count()} memfds held, the descriptor budget ({budget()})")
     kept = os.memfd_create(f"{NAME_PREFIX}{kind}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
     try:
         os.fchmod(kept, 0o600)
@@ -260,3 +357,42 @@ def live_memfds() -> List[LiveMemfd]:
             seen.add((info.st_dev, info.st_ino))
             found.append(LiveMemfd(pid, kind, info.st_blocks * 512))
     return found
+
+
+def descriptors_of(pid: Optional[int] = None) -> int:
+    """How many descriptors process ``pid`` (default: this one) holds on memshare's files.
+
+    Counted from ``/proc/<pid>/fd``: memshare memfds (dump, result, shared,
+    held) and anything open in a memshare folder (a session's folder, kept
+    open for its result socket). 0 where ``/proc`` cannot be read.
+    """
+    folder = f"/proc/{os.getpid() if pid is None else pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    count = 0
+    for name in names:
+        try:
+            target = os.readlink(f"{folder}/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{NAME_PREFIX}") or f"/{NAME_PREFIX}" in target:
+            count += 1
+    return count
+
+
+def descriptor_report() -> List[str]:
+    """Lines for the doctor: this process's descriptor limits and memshare's budget and use of them."""
+    soft, hard = descriptor_limits()
+    if soft is None:
+        return ["descriptor limit: none (memshare keeps memfds without a budget)"]
+    lines = [
+        f"descriptor limit (ulimit -n): soft {soft}, hard {'unlimited' if hard is None else hard}; "
+        f"memshare keeps at most {budget()} open ({int(BUDGET_SHARE * 100)}% of the soft limit, raised towards "
+        "the hard limit once when needed), then uses named files, which need none",
+        f"memshare holds {descriptors_of()} descriptor(s) in this process; mappings keep none",
+    ]
+    if soft < 1024:
+        lines.append(f"a soft limit of {soft} is low: `ulimit -n {hard or 4096}` leaves more room to memfds")
+    return lines

@@ -69,7 +69,7 @@ from ._compat import made_by_default_allocator
 from ._dumping import CHUNK_BYTES
 from ._folders import SHM_ROOT, Location, TempFolder, choose_location, delete_file, free_bytes, reserve
 from ._identity import IdentityTable
-from ._memfd import duplicate, is_memfd_path
+from ._memfd import duplicate, held_count, is_memfd_path, within_budget
 from ._refs import HELD, ArrayRef, data_address
 
 PAGE = _held_memory.PAGE
@@ -226,6 +226,9 @@ def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]
     if mode_reason is not None:
         return mode_reason
     location = choose_location(temp_folder)
+    if location.in_memory and not within_budget():
+        # Its memfd would be one more descriptor kept for the array's whole life (see _memfd).
+        return f"memshare holds {held_count()} memfds, its budget of descriptors (half of ulimit -n)"
     if not location.in_memory and location.base != SHM_ROOT:
         return f"it would live in a file outside shared memory ({location.reason})"
     if not location.in_memory and temp_folder is not None:

@@ -20,6 +20,23 @@ chose for it:
 
 Payloads (plain ``bytes``) are pickled with cloudpickle (lambdas, functions of ``__main__``)
 and pickle protocol 5.
+
+Out-of-band buffers: protocol 5 lets objects offer their data as
+``PickleBuffer`` s (pyarrow's buffers, so Arrow tables and Arrow-backed pandas
+columns; any library that pickles out of band). Each one offered while
+packing goes to the sender's *buffer reducer* (``reduce_buffer``), which
+keeps it in the stream or stands for it with a placeholder: a dump's
+``ArrayRef`` for task arguments (the session writes it once per call), a
+slot number for results (``ResultPolicy`` writes it to a result file). The
+payload is then an *envelope*: the placeholders, then the stream, which the
+receiver unpickles with ``buffers=`` views of those mappings (:func:`unpack`),
+with no copy: read-only for arguments (unless the call maps writable), as
+pyarrow expects of immutable data. pandas' Arrow-backed arrays are pickled
+through their chunked array as it is (:func:`_arrow_column_reduction`), not
+through the new combined copy pandas would make for every task. A
+``bytearray`` is written into the stream by the pickler itself and never
+offered as a buffer: it stays in the stream, as does anything that does not
+pickle out of band.
 """
 
 from __future__ import annotations
@@ -33,6 +50,8 @@ import os
 import pickle
 import socket
 import stat
+import struct
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -49,10 +68,10 @@ from . import _handoff, _memfd
 from ._errors import SharedMemoryFullError
 from ._folders import FolderPair, delete_file
 from ._mapping import array_from_ref, map_descriptor
-from ._refs import RESULT, SHARED, ArrayRef, file_identity, kind_of_path
+from ._refs import RESULT, SHARED, ArrayRef, data_address, file_identity, kind_of_path
 from ._release import can_release
 from ._result_files import create_result_file, fill_result_file
-from ._routes import HAND_OVER, REFERENCE, RESULT_FILE, copied_route, result_route
+from ._routes import HAND_OVER, OUT_OF_BAND, REFERENCE, RESULT_FILE, buffer_route, copied_route, result_route
 from ._shared_store import lookup_shared
 from ._stats import REFERENCED, log_decision, logger
 
@@ -65,6 +84,16 @@ Reduction = Tuple[Callable[..., Any], tuple]
 #: Extra reducers a user gives: exact type -> function returning ``(constructor, args)``, as ``copyreg`` takes.
 Reducers = Mapping[type, Callable[[Any], Any]]
 
+#: The sender's decision for one buffer pickle offers out of band: what stands
+#: for it in the envelope (an ``ArrayRef`` or a slot number), or None to keep it in the stream.
+ReduceBuffer = Callable[[pickle.PickleBuffer], Optional[Any]]
+
+# A payload with out-of-band buffers starts with this, then the length of the
+# pickled placeholders, the placeholders, and the stream. A pickle of
+# protocol 2 or more starts with PROTO (0x80): no plain stream starts like this.
+_ENVELOPE = b"memshare-buffers\x00"
+_HEADER_LENGTH = struct.Struct("<Q")
+
 
 class _Pickler(cloudpickle.Pickler):
     def __init__(
@@ -72,10 +101,12 @@ class _Pickler(cloudpickle.Pickler):
         file: io.BytesIO,
         reduce_array: Callable[[np.ndarray], Optional[Reduction]],
         reducers: Optional[Reducers] = None,
+        buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
     ) -> None:
-        super().__init__(file, protocol=5)
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._reduce_array = reduce_array
         self._reducers = reducers or {}
+        self._out_of_band = buffer_callback is not None
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
@@ -94,6 +125,10 @@ class _Pickler(cloudpickle.Pickler):
         custom = self._reducers.get(type(obj))
         if custom is not None:
             return custom(obj)
+        if self._out_of_band:
+            arrow = _arrow_column_reduction(obj)
+            if arrow is not None:
+                return arrow
         return super().reducer_override(obj)
 
 
@@ -110,6 +145,36 @@ def _code_reduction(code: types.CodeType) -> Any:
         return marshal.loads, (marshal.dumps(code),)
     except ValueError:  # a constant marshal cannot write: let cloudpickle do it
         return NotImplemented
+
+
+def _arrow_column_reduction(obj: Any) -> Optional[Reduction]:
+    """A pandas Arrow-backed array (``string[pyarrow]``, pandas 3's default strings, ``ArrowDtype``) without a copy.
+
+    pandas pickles these through ``__getstate__``, which combines the
+    column's chunks into a new Arrow array: a full copy of the column, made
+    anew every time it is pickled, so its buffers could be neither kept out
+    of the stream once per call nor pickled without doubling the memory.
+    This reduction is pandas' own state with the chunked array as it is;
+    pandas' ``__setstate__`` takes it as it takes a combined one. Values,
+    dtype and nulls are the same; only the chunk layout is the column's
+    own rather than a single chunk. Only when pandas is imported already
+    (it is not imported here), for the classes that define that state.
+    """
+    pandas = sys.modules.get("pandas")
+    arrow_array = getattr(getattr(pandas, "arrays", None), "ArrowExtensionArray", None)
+    if arrow_array is None or not isinstance(obj, arrow_array) or not hasattr(type(obj), "__setstate__"):
+        return None
+    state = dict(obj.__dict__)
+    if "_cache" in state:
+        state["_cache"] = {}  # cached properties are recomputed, as pandas pickles them
+    return _from_state, (type(obj), state)
+
+
+def _from_state(cls: type, state: dict) -> Any:
+    """The object of class ``cls`` rebuilt by its own ``__setstate__`` from ``state``."""
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
 
 
 def _plain_reduction(array: np.ndarray) -> Reduction:
@@ -131,8 +196,9 @@ class _SlotPickler(_Pickler):
         reduce_array: Callable[[np.ndarray], Optional[Reduction]],
         slot_of: Callable[[np.ndarray], Optional[int]],
         reducers: Optional[Reducers] = None,
+        buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
     ) -> None:
-        super().__init__(file, reduce_array, reducers)
+        super().__init__(file, reduce_array, reducers, buffer_callback)
         self._slot_of = slot_of
 
     def persistent_id(self, obj: Any) -> Optional[int]:
@@ -146,19 +212,46 @@ def pack(
     reduce_array: Callable[[np.ndarray], Optional[Reduction]],
     slot_of: Optional[Callable[[np.ndarray], Optional[int]]] = None,
     reducers: Optional[Reducers] = None,
+    reduce_buffer: Optional[ReduceBuffer] = None,
 ) -> bytes:
     """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead.
 
     Each object whose exact type is in ``reducers`` goes to its reducer; arrays
     are memshare's business: a reducer given for ``np.ndarray`` is not used.
+    ``reduce_buffer`` may take each out-of-band buffer out of the stream (see
+    the module's docstring); None keeps every buffer in the stream.
     """
     buffer = io.BytesIO()
+    placeholders: List[Any] = []
+    callback = None
+    if reduce_buffer is not None:
+
+        def callback(offered: pickle.PickleBuffer) -> bool:
+            placeholder = reduce_buffer(offered)
+            if placeholder is None:
+                return True  # in the stream
+            placeholders.append(placeholder)
+            return False
+
     if slot_of is None:
-        pickler = _Pickler(buffer, reduce_array, reducers)
+        pickler = _Pickler(buffer, reduce_array, reducers, callback)
     else:
-        pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers)
+        pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers, callback)
     pickler.dump(obj)
-    return buffer.getvalue()
+    if not placeholders:
+        return buffer.getvalue()
+    header = pickle.dumps(placeholders, protocol=5)
+    return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header)), header, buffer.getbuffer()))
+
+
+def _open_envelope(stream: bytes) -> Tuple[Optional[List[Any]], memoryview]:
+    """(placeholders, stream) of a payload; placeholders None for a plain stream."""
+    view = memoryview(stream)
+    if not stream.startswith(_ENVELOPE):
+        return None, view
+    start = len(_ENVELOPE) + _HEADER_LENGTH.size
+    (length,) = _HEADER_LENGTH.unpack_from(stream, len(_ENVELOPE))
+    return pickle.loads(view[start : start + length]), view[start + length :]
 
 
 #: Where a result slot's array is: a file (a result file to adopt, or the
@@ -180,30 +273,49 @@ def unpack(
     ``receive`` gives the descriptors of result memfds, ``folder`` is the
     session's folder pair, the only place result files may be adopted from
     (see :func:`adopt_result`).
+
+    The out-of-band buffers of an envelope are rebuilt over their mappings:
+    a task argument's dump mapped through the worker's cache (read-only
+    unless the call's mode says otherwise), a result's slot adopted like
+    any result file. The buffers are views of those mappings, no copy; each
+    keeps its mapping alive.
     """
-    if not slots:
+    placeholders, body = _open_envelope(stream)
+    if not slots and placeholders is None:
         return pickle.loads(stream)
-    return _SlotUnpickler(io.BytesIO(stream), slots, receive, folder).load()
+    slot = _Slots(slots, receive, folder)
+    buffers = None
+    if placeholders is not None:
+        buffers = [memoryview(_rebuild_input(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
+    return _SlotUnpickler(io.BytesIO(body), slot, buffers).load()
 
 
-class _SlotUnpickler(pickle.Unpickler):
-    """Loads each slot once, however often the stream names it: the same array comes back as one object."""
+class _Slots:
+    """The arrays of an outcome's slots, each loaded once however often it is named: one array, one object."""
 
-    def __init__(
-        self, file: io.BytesIO, slots: Sequence[Slot], receive: Optional[Receive], folder: Optional[FolderPair]
-    ) -> None:
-        super().__init__(file)
+    def __init__(self, slots: Sequence[Slot], receive: Optional[Receive], folder: Optional[FolderPair]) -> None:
         self._slots = slots
         self._receive = receive
         self._folder = folder
         self._loaded: Dict[int, np.ndarray] = {}
 
-    def persistent_load(self, pid: Any) -> np.ndarray:
+    def __call__(self, pid: Any) -> np.ndarray:
         if not isinstance(pid, int) or not 0 <= pid < len(self._slots):
             raise pickle.UnpicklingError(f"memshare: a result names slot {pid!r}, which the outcome does not have")
         if pid not in self._loaded:
             self._loaded[pid] = _load_slot(self._slots[pid], self._receive, self._folder)
         return self._loaded[pid]
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    """Turns each slot number of the stream into its array, and reads out-of-band buffers from ``buffers``."""
+
+    def __init__(self, file: io.BytesIO, slot: _Slots, buffers: Optional[List[memoryview]]) -> None:
+        super().__init__(file, buffers=buffers)
+        self._slot = slot
+
+    def persistent_load(self, pid: Any) -> np.ndarray:
+        return self._slot(pid)
 
 
 def _load_slot(where: Slot, receive: Optional[Receive], folder: Optional[FolderPair]) -> np.ndarray:
@@ -398,11 +510,29 @@ class ResultPolicy:
         # The connection to the parent's inbox, made at the first memfd; None before, or when unreachable.
         self._connection: Optional[socket.socket] = None
         self._unreachable = False
+        # Out-of-band buffers of the return value, as byte arrays over their memory, by (address, size):
+        # the same memory offered twice (two wrappers of one Arrow buffer) is one array, so one slot.
+        self._buffer_arrays: Dict[Tuple[int, int], np.ndarray] = {}
 
     def slot_of(self, array: np.ndarray) -> Optional[int]:
         """The slot ``array`` travels in, or None to pickle it in the stream."""
         with _descriptor_limit_explained():
             return self._slot_of(array)
+
+    def buffer_slot(self, buffer: pickle.PickleBuffer) -> Optional[int]:
+        """The slot an out-of-band buffer of the return value travels in, or None to keep it in the stream.
+
+        A large buffer becomes a byte array over its memory (no copy), which
+        travels as any large result: written to a result file after the
+        value is pickled, the array (and so the buffer's exporter) held
+        until then. The parent rebuilds the object over its mapping.
+        """
+        view = memoryview(buffer)
+        if buffer_route(view.nbytes, view.contiguous, self.spec.max_nbytes).kind != OUT_OF_BAND:
+            return None
+        raw = np.frombuffer(buffer.raw(), np.uint8)
+        raw = self._buffer_arrays.setdefault((data_address(raw), raw.nbytes), raw)
+        return self.slot_of(raw)
 
     def _slot_of(self, array: np.ndarray) -> Optional[int]:
         slot = self._slot_by_id.get(id(array))
@@ -485,6 +615,7 @@ class ResultPolicy:
         pending, self._pending = self._pending, []
         self._slot_by_id.clear()
         self._held.clear()
+        self._buffer_arrays.clear()  # each is held by its pending entry until written, and no longer
         pending.reverse()  # pop() from the end, in the order they were pickled
         with _descriptor_limit_explained():
             self._write(pending)
@@ -649,6 +780,7 @@ class ResultPolicy:
         self._pending.clear()
         self._slot_by_id.clear()
         self._held.clear()
+        self._buffer_arrays.clear()
         self.slots.clear()
         self._close_handed()
         self._close_connection()
@@ -735,12 +867,14 @@ def by_value(array: np.ndarray) -> None:
 
 
 def pack_result(value: Any, policy: ResultPolicy, reducers: Optional[Reducers] = None) -> bytes:
-    """Pickle a task's return value (or failure) with its large arrays in ``policy``'s slots."""
-    return pack(value, by_value, policy.slot_of, reducers)
+    """Pickle a task's return value (or failure) with its large arrays and buffers in ``policy``'s slots."""
+    reduce_buffer = policy.buffer_slot if policy.spec.max_nbytes is not None else None
+    return pack(value, by_value, policy.slot_of, reducers, reduce_buffer)
 
 
 __all__ = [
     "Reducers",
+    "ReduceBuffer",
     "input_reduction",
     "ResultPolicy",
     "ResultSpec",

@@ -10,6 +10,8 @@ array: same values, shape, strides, dtype and order.
 
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import sys
@@ -51,9 +53,11 @@ class ArrayRef:
     memmap_offset: Optional[int] = None
     memmap_mode: Optional[str] = None
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        # Cached (in the instance's __dict__, which a frozen dataclass allows): a session sums
+        # it over every dump it holds, thousands of times in a call over thousands of arrays.
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
     def in_file(cls, path: str, info: os.stat_result, **geometry: Any) -> ArrayRef:
@@ -91,10 +95,35 @@ def _nearest_memmap(array: np.ndarray) -> Optional[np.memmap]:
     return None
 
 
+def _outermost_memmap(array: np.ndarray) -> Optional[np.memmap]:
+    """The last ``np.memmap`` over a file in ``array``'s chain of bases: the one that maps the file.
+
+    numpy's own memmap is the root of its chain (its base is the ``mmap``);
+    memshare maps a reference as a memmap over a plain array over a mapping
+    that keeps no descriptor (``_mapping.map_file``), one level further in.
+    Either way its ``offset`` is the file offset of its first byte.
+    """
+    found = None
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and getattr(array, "filename", None):
+            found = array
+        array = array.base
+    return found
+
+
+def _maps_file(owner: Any) -> bool:
+    """True when ``owner``, the base of an array chain's root, is a mapping of a file.
+
+    An ``mmap.mmap``, or the owner of a mapping memshare made without a
+    descriptor, which says so with a ``maps_file`` class attribute.
+    """
+    return isinstance(owner, mmap.mmap) or getattr(type(owner), "maps_file", False) is True
+
+
 def is_copy_on_write(array: np.ndarray) -> bool:
     """True when ``array``'s memory is a copy-on-write ``np.memmap`` (``mode="c"``)."""
-    root = root_array(array)
-    return isinstance(root, np.memmap) and root.mode in ("c", "copyonwrite")
+    top = _outermost_memmap(array)
+    return top is not None and top.mode in ("c", "copyonwrite")
 
 
 def kind_of_path(path: str) -> str:
@@ -114,8 +143,11 @@ def kind_of_path(path: str) -> str:
     return prefix if prefix in _KINDS else USER
 
 
-def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
+def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[ArrayRef]:
     """A reference to the file that ``array``'s memory maps, if there is one.
+
+    A copy-on-write mapping has none (its private pages may differ from the
+    file) unless ``copy_on_write``: the caller checked that none is private.
 
     Covers ``np.memmap`` and its views at any depth (found through the
     public ``filename``/``offset`` of the memmap that owns the mapping) and,
@@ -125,12 +157,14 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
     """
     root = root_array(array)
     owner = root.base.obj if isinstance(root.base, memoryview) else root.base
-    if not isinstance(owner, mmap.mmap):
+    if not _maps_file(owner):
         return None
     memmap_offset = memmap_mode = None
-    if isinstance(root, np.memmap) and getattr(root, "filename", None):
-        path, root_offset = root.filename, int(root.offset)
-        mode = _mapping_mode(root.mode)
+    top = _outermost_memmap(array)
+    if top is not None:
+        # The file offset of top's first byte, moved to root's: offsets below count from root.
+        path, root_offset = top.filename, int(top.offset) - (data_address(top) - data_address(root))
+        mode = _mapping_mode(top.mode)
         nearest = _nearest_memmap(array)
         memmap_offset = int(nearest.offset)
         # 'w+' is reported as 'r+', as joblib does: reopening a file with
@@ -142,7 +176,7 @@ def find_backing(array: np.ndarray) -> Optional[ArrayRef]:
             return None
         path, root_offset = located
         mode = "r+" if root.flags.writeable else "r"
-    if mode == "c":
+    if mode == "c" and not copy_on_write:
         # A copy-on-write mapping's private pages differ from the file: the
         # file is not the array's content, so it must travel by value.
         return None

@@ -19,7 +19,9 @@ Arguments (:func:`input_route`):
 ``DUMP``
     A large array in ordinary memory: written once to a dump file of the
     session (deduplicated by identity), with the mode workers map it with
-    when it is not the session's (a copy-on-write memmap's copy). The session
+    when it is not the session's (a copy-on-write memmap's copy). A
+    copy-on-write memmap whose pages are all still its file's (the sender
+    says so) is a ``REFERENCE`` to its file instead, mapped copy-on-write. The session
     carries out the dump of an eligible array by holding it once instead
     (``_promotion``): its memory becomes its file, for every later call too.
 ``VIEW_OF_DUMP``
@@ -27,6 +29,13 @@ Arguments (:func:`input_route`):
     at least half of a contiguous base, whose base is dumped (once) so that
     every such view of it shares one file; or a view of a dump the session
     already holds, met again (a nested call's argument).
+
+Out-of-band buffers (:func:`buffer_route`), both ways: a ``PickleBuffer``
+that pickle protocol 5 offers (pyarrow's buffers, Arrow-backed pandas
+columns, any object that pickles out of band) is ``OUT_OF_BAND`` when large
+(written once to a file, rebuilt over a mapping of it) and ``PICKLE`` when
+small or not contiguous (in the stream, as before). NumPy arrays never get
+here large: their own route comes first.
 
 Results (:func:`result_route`):
 
@@ -60,6 +69,7 @@ VIEW_OF_DUMP = "view-of-dump"
 HAND_OVER = "hand-over"
 RESULT_FILE = "result-file"
 BY_VALUE = "by-value"
+OUT_OF_BAND = "out-of-band"
 
 
 @dataclass(frozen=True)
@@ -75,15 +85,27 @@ class Route:
     mode: Optional[str] = None
 
 
-def input_route(array: np.ndarray, max_nbytes: Optional[int], held_dumps: Container[str]) -> Route:
+def input_route(
+    array: np.ndarray,
+    max_nbytes: Optional[int],
+    held_dumps: Container[str],
+    copy_on_write_unwritten: Optional[Callable[[np.ndarray], bool]] = None,
+) -> Route:
     """How a task argument travels to a worker.
 
     ``max_nbytes`` is the session's threshold (None: never dump);
-    ``held_dumps`` holds the paths of the session's current dump files.
+    ``held_dumps`` holds the paths of the session's current dump files;
+    ``copy_on_write_unwritten`` tells whether no page of a copy-on-write
+    memmap was written in this process (None: not known, so it is copied).
     """
     if array.dtype.hasobject or array.nbytes == 0:
         return Route(PICKLE)
     ref = find_backing(array)
+    if ref is None and copy_on_write_unwritten is not None and is_copy_on_write(array):
+        # Its file is its content while none of its pages is private: the
+        # worker maps the file copy-on-write (read-only if the view is).
+        if copy_on_write_unwritten(array):
+            ref = find_backing(array, copy_on_write=True)
     if ref is not None:
         if ref.kind == DUMP and ref.path in held_dumps:
             return Route(VIEW_OF_DUMP, ref=ref)
@@ -132,6 +154,21 @@ def _dump_mode(array: np.ndarray) -> Optional[str]:
     if is_copy_on_write(array):
         return "c" if array.flags.writeable else "r"
     return None
+
+
+def buffer_route(nbytes: int, contiguous: bool, max_nbytes: Optional[int]) -> Route:
+    """How one buffer that pickle offers out of band travels (either way).
+
+    ``OUT_OF_BAND`` from ``max_nbytes`` on (None: never). At, not only above
+    as for arrays: Arrow data read in batches has many buffers of exactly a
+    power of two (2**17 rows of 8 bytes is 1 MiB, joblib's default
+    threshold), and each would otherwise be pickled for every task.
+    ``PICKLE`` otherwise: small or empty, or not contiguous (pickle then
+    copies it into the stream itself).
+    """
+    if max_nbytes is None or nbytes == 0 or nbytes < max_nbytes or not contiguous:
+        return Route(PICKLE)
+    return Route(OUT_OF_BAND)
 
 
 def result_route(array: np.ndarray, max_nbytes: Optional[int], owned_here: Callable[[ArrayRef], bool]) -> Route:

@@ -31,6 +31,20 @@ Early deletion
 
     So a call over many distinct arrays keeps about twice what is in flight,
     not everything it ever dumped.
+
+Out-of-band buffers
+    A large buffer that an argument offers to pickle out of band (pyarrow's,
+    behind Arrow tables and Arrow-backed pandas columns) is dumped like an
+    array and follows the same rules above, keyed by its memory (address
+    and size) instead of an array's identity. Each exporter wraps the same
+    memory in a new object every time it is pickled, so there is no object
+    to key by or to watch weakly: the entry holds the ``PickleBuffer`` (an
+    export of that memory), so the memory cannot be freed, and its address
+    reused by other data, while the key names it. That pins the memory for
+    the call: the next generation forgets every buffer no pending task
+    reads (its file deleted, its export released), and closing the session
+    forgets the rest. A buffer is so written once per call, however many
+    tasks reference it.
 """
 
 from __future__ import annotations
@@ -39,10 +53,11 @@ import dataclasses
 import functools
 import itertools
 import os
+import pickle
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -52,12 +67,13 @@ from ._dumping import dump_array, row_slabs
 from ._errors import UnpicklableArgumentError
 from ._folders import TempFolder, delete_file, warn_fallback, warn_result_pickled
 from ._handoff import Inbox
+from ._held_memory import PAGE, changed_pages
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._protocol import Outcome, Task, restore
 from ._reducers import Reducers, Reduction, ResultSpec, input_reduction, pack
-from ._refs import DUMP, SHARED, ArrayRef
-from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, input_route, view_in_dump
+from ._refs import DUMP, SHARED, ArrayRef, data_address, root_array
+from ._routes import PICKLE, REFERENCE, VIEW_OF_DUMP, Route, buffer_route, input_route, view_in_dump
 from ._stats import (
     DUMPED,
     HELD_ONCE,
@@ -65,6 +81,7 @@ from ._stats import (
     PICKLED,
     REFERENCED,
     CallStats,
+    log_buffer_decision,
     log_decision,
     logger,
     record_finished,
@@ -84,6 +101,14 @@ class _Dump:
     uses: int = 0  # tasks that referenced this array so far
     parent_view: Optional[np.ndarray] = field(default=None, repr=False)
     alive: bool = True  # False once the array was garbage-collected
+
+
+@dataclass
+class _BufferDump:
+    """One out-of-band buffer dumped in this session: its dump, and the export that keeps its memory."""
+
+    entry: _Dump
+    export: pickle.PickleBuffer
 
 
 @dataclass
@@ -131,6 +156,12 @@ class Session:
         # once per call, not once per task.
         self._refreshed: IdentityTable[int] = IdentityTable()
         self._not_held_once: IdentityTable[int] = IdentityTable()
+        # Out-of-band buffers of this generation, by (address, size) of their
+        # memory: the dumped ones, and the ones counted as pickled in the stream.
+        self._buffers: Dict[Tuple[int, int], _BufferDump] = {}
+        self._buffer_keys: Dict[str, Tuple[int, int]] = {}  # dump path -> its buffer's key
+        self._buffers_in_band: Set[Tuple[int, int]] = set()
+        self._buffers_generation = 0
         self._closed = False
         self._inbox = self._open_inbox()
         self._results = ResultSpec(
@@ -153,8 +184,11 @@ class Session:
     # -- calls ---------------------------------------------------------------
 
     def new_generation(self) -> None:
-        """Mark the start of a new call: reused arrays get checked for changes."""
+        """Mark the start of a new call: reused arrays get checked for changes, earlier calls' buffers go."""
         self._generation = next(self._generations)
+        if self._buffers:  # the lock only when there are buffers to let go of (see _new_buffer_generation)
+            with self._lock:
+                self._new_buffer_generation()
 
     # -- tasks ---------------------------------------------------------------
 
@@ -174,8 +208,13 @@ class Session:
         self._check_open()
         record = _TaskRecord()
         reduce_array = functools.partial(self._reduce_argument, record)
+        reduce_buffer = None  # no threshold: every buffer stays in the stream
+        if self.settings.max_nbytes is not None:
+            reduce_buffer = functools.partial(self._reduce_buffer, record)
         try:
-            stream = pack((func, args, kwargs or {}), reduce_array, reducers=self._reducers)
+            stream = pack(
+                (func, args, kwargs or {}), reduce_array, reducers=self._reducers, reduce_buffer=reduce_buffer
+            )
         except Exception as exc:
             self._abandon(record)
             if exc is record.error:
@@ -268,11 +307,81 @@ class Session:
         try:
             with self._lock:
                 self._check_open()  # never a new file once the session has closed (its folder is gone)
-                route = input_route(array, self.settings.max_nbytes, self._by_path.keys())
+                route = input_route(array, self.settings.max_nbytes, self._by_path.keys(), copy_on_write_unwritten)
                 return self._carry_out(route, array, record)
         except BaseException as exc:
             record.error = exc
             raise
+
+    def _reduce_buffer(self, record: _TaskRecord, buffer: pickle.PickleBuffer) -> Optional[ArrayRef]:
+        """The pickler's buffer policy for task arguments: the dump standing for ``buffer``, or None: in the stream."""
+        try:
+            view = memoryview(buffer)
+            route = buffer_route(view.nbytes, view.contiguous, self.settings.max_nbytes)
+            if route.kind == PICKLE and isinstance(view.obj, np.ndarray):
+                return None  # a small array's own buffer: counted as an array already
+            with self._lock:
+                self._check_open()  # never a new file once the session has closed (its folder is gone)
+                self._new_buffer_generation()
+                if route.kind == PICKLE:
+                    key = (_buffer_address(view), view.nbytes)
+                    if key not in self._buffers_in_band:
+                        self._buffers_in_band.add(key)
+                        self.stats.add(buffers_pickled=1, bytes_buffers_pickled=view.nbytes)
+                        log_buffer_decision(PICKLED, view.nbytes, view.obj, "in the task payload")
+                    return None
+                return self._dump_buffer(buffer, view, record)
+        except BaseException as exc:
+            record.error = exc
+            raise
+
+    def _dump_buffer(self, buffer: pickle.PickleBuffer, view: memoryview, record: _TaskRecord) -> ArrayRef:
+        """The reference to ``buffer``'s dump, written now unless this generation wrote it already.
+
+        Workers map it read-only when the buffer is read-only, else with the
+        session's mode, as an array's dump (read-only by default).
+        """
+        raw = np.frombuffer(buffer.raw(), np.uint8)  # no copy: the bytes to write
+        key = (data_address(raw), raw.nbytes)
+        wanted = "r" if view.readonly else self._worker_mode()
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = _BufferDump(_Dump(ref=None, generation=self._generation), buffer)
+        entry = held.entry
+        if entry.ref is None:  # new, or its idle file was deleted for room since
+            self._evict_idle(limit=self._pending_bytes())
+            ref, seconds = dump_array(self.folder.pair, raw, DUMP, wanted)
+            entry.ref = ref
+            self._by_path[ref.path] = entry
+            self._buffer_keys[ref.path] = key
+            self.stats.add(buffers_dumped=1, bytes_buffers_dumped=raw.nbytes, dump_seconds=seconds)
+            if self.folder.pair.is_fallback(ref.path):
+                self.stats.add(fallback_files=1)
+            log_buffer_decision(DUMPED, raw.nbytes, view.obj, ref.path, seconds)
+        self._use(entry, record)
+        return entry.ref if entry.ref.mode == wanted else dataclasses.replace(entry.ref, mode=wanted)
+
+    def _new_buffer_generation(self) -> None:
+        """At the first buffer of a new generation: forget the buffers of earlier ones that no task reads.
+
+        Their memory is the caller's and may change or go between calls, so
+        a later call dumps it again; forgetting releases the export that
+        pinned it, and deletes the file.
+        """
+        if self._buffers_generation == self._generation:
+            return
+        self._buffers_generation = self._generation
+        self._buffers_in_band.clear()
+        for key, held in list(self._buffers.items()):
+            if held.entry.pending == 0:
+                self._forget_buffer(key)
+
+    def _forget_buffer(self, key: Tuple[int, int]) -> None:
+        """Delete the dump of the buffer at ``key`` and release its export."""
+        held = self._buffers.pop(key)
+        if held.entry.ref is not None:
+            self._buffer_keys.pop(held.entry.ref.path, None)
+        self._delete_file(held.entry)
 
     def _carry_out(self, route: Route, array: np.ndarray, record: _TaskRecord) -> Optional[Reduction]:
         """Do what ``route`` says for ``array``, noting in ``record`` what the task holds; None: pickle it."""
@@ -448,7 +557,14 @@ class Session:
             entry.pending -= 1
             if entry.pending > 0:
                 continue
-            if not entry.alive:
+            key = self._buffer_keys.get(path)
+            if key is not None:
+                # A buffer used by one task so far is forgotten at once: pinning its
+                # memory for the rest of the call would hold, for a buffer made anew for
+                # each task, one copy per task. A buffer used by several tasks stays.
+                if entry.uses < 2:
+                    self._forget_buffer(key)
+            elif not entry.alive:
                 self._delete_file(entry)  # its entry already left _by_array (_forget)
             elif entry.uses < 2:
                 self._idle[path] = entry
@@ -500,6 +616,9 @@ class Session:
             self._seen.clear()
             self._refreshed.clear()
             self._not_held_once.clear()
+            self._buffers.clear()  # their files went above; this releases their exports
+            self._buffer_keys.clear()
+            self._buffers_in_band.clear()
             for record in self._tasks.values():
                 self._release_record(record)
             self._tasks.clear()
@@ -507,6 +626,31 @@ class Session:
             self._inbox.close()  # descriptors of outcomes never restored go with it
         self.folder.remove()
         record_finished(self.stats)
+
+
+def copy_on_write_unwritten(array: np.ndarray) -> bool:
+    """True when no page of the copy-on-write memmap behind ``array`` is private to this process.
+
+    Asked of ``/proc/self/pagemap`` for the whole mapping of the memmap
+    (not just the view's pages: simpler, and a written page anywhere is
+    rare). A page is private once written, and only then can it differ
+    from the file. False when the page flags cannot be read. A write made
+    after this answer races with the tasks, as any write to an argument
+    while tasks read it does.
+    """
+    root = root_array(array)
+    start = data_address(root)
+    first_page = start // PAGE * PAGE
+    end = -(-(start + root.nbytes) // PAGE) * PAGE
+    try:
+        return changed_pages(first_page, end).size == 0
+    except OSError:
+        return False
+
+
+def _buffer_address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (of a read-only buffer too); else an identity."""
+    return data_address(np.frombuffer(view, np.uint8)) if view.contiguous else id(view.obj)
 
 
 def _name_of(func: Any) -> str:

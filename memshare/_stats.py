@@ -32,7 +32,8 @@ NOT_HELD_ONCE = "not held once"
 class CallStats:
     """Figures of one pool or call (a managed context counts as one).
 
-    Arrays are counted once each, however many tasks use them; ``tasks``
+    Arrays are counted once each, however many tasks use them, and so are
+    out-of-band buffers (by their memory, once per call); ``tasks``
     counts submitted tasks (joblib batches and the chunks of a pool's ``map`` count as
     one task each).
     """
@@ -52,6 +53,10 @@ class CallStats:
     bytes_held_once: int = 0
     bytes_refreshed: int = 0  # bytes of arrays held once written again because the parent changed them
     results_pickled_no_room: int = 0  # results sent by value because no file had room
+    buffers_dumped: int = 0  # out-of-band buffers of arguments written to shared memory (pyarrow's...)
+    bytes_buffers_dumped: int = 0
+    buffers_pickled: int = 0  # out-of-band buffers of arguments kept in the task payloads: small
+    bytes_buffers_pickled: int = 0
     _lock: threading.Lock = field(default_factory=_forksafe.lock, repr=False, compare=False)
 
     def as_dict(self) -> Dict[str, float]:
@@ -70,6 +75,8 @@ class CallStats:
             f"{self.arrays_held_once} held once ({_mib(self.bytes_held_once)}), "
             f"{self.arrays_referenced} passed by reference ({_mib(self.bytes_referenced)}), "
             f"{self.arrays_pickled} pickled ({_mib(self.bytes_pickled)} of task payloads); "
+            f"{self.buffers_dumped} buffers dumped ({_mib(self.bytes_buffers_dumped)}), "
+            f"{self.buffers_pickled} pickled ({_mib(self.bytes_buffers_pickled)}); "
             f"{self.results_by_reference} results returned by reference "
             f"({_mib(self.bytes_results_by_reference)})"
         )
@@ -83,12 +90,27 @@ def describe(array: np.ndarray) -> str:
     return f"array shape={tuple(array.shape)} dtype={array.dtype} size={_mib(array.nbytes)}"
 
 
+def describe_buffer(nbytes: int, exporter: object) -> str:
+    return f"buffer of {type(exporter).__module__}.{type(exporter).__qualname__} size={_mib(nbytes)}"
+
+
+def log_buffer_decision(
+    decision: str, nbytes: int, exporter: object, where: Optional[str] = None, seconds: Optional[float] = None
+) -> None:
+    """Log what became of an out-of-band buffer of ``nbytes`` offered by ``exporter`` (once per call)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        _log(describe_buffer(nbytes, exporter), decision, where, seconds)
+
+
 def log_decision(
     decision: str, array: np.ndarray, where: Optional[str] = None, seconds: Optional[float] = None
 ) -> None:
-    if not logger.isEnabledFor(logging.DEBUG):
-        return
-    text = f"{decision} {describe(array)}"
+    if logger.isEnabledFor(logging.DEBUG):
+        _log(describe(array), decision, where, seconds)
+
+
+def _log(what: str, decision: str, where: Optional[str], seconds: Optional[float]) -> None:
+    text = f"{decision} {what}"
     if where:
         text += f" -> {where}"
     if seconds is not None:
@@ -134,8 +156,12 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     no file had room), ``arrays_held_once`` and ``bytes_held_once`` (arrays
     whose memory became their shared file in this call, see README's "Arrays
     held once"), ``bytes_refreshed`` (bytes of arrays held once written to
-    their file again because the parent changed them). None before the first
-    call ends.
+    their file again because the parent changed them), ``buffers_dumped``
+    and ``bytes_buffers_dumped`` (out-of-band buffers of arguments, such as
+    pyarrow's behind Arrow-backed pandas columns, written once to shared
+    memory), ``buffers_pickled`` and ``bytes_buffers_pickled`` (such
+    buffers small enough to stay in the task payloads). None before the
+    first call ends.
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()

@@ -11,23 +11,163 @@ This file runs as a plain script under ``python -I`` and uses the standard
 library only: it must start fast and must not import the owner's packages.
 Paths travel hex-encoded, one per line, so that any byte string (non-ASCII,
 spaces, newlines, hundreds of characters) survives the protocol.
+
+Besides memshare's folders, a dead owner leaves the named semaphores loky
+made in its name (``/dev/shm/sem.loky-<pid>-<8 random characters>``, from
+loky's ``SemLock._make_name``): loky unlinks them when the process exits
+normally, and nobody does when it is killed. The owner says goodbye (a ``.``
+line) before closing the pipe at a normal exit; an end-of-file without it
+means the owner died, and once its pid is gone (or a zombie of the same
+process) the watchdog removes those semaphores too
+(:func:`remove_loky_semaphores`, which the sweep of dead owners and
+``python -m memshare clean`` use as well). Removing a semaphore's name never
+disturbs a process that has it open (workers still running keep theirs).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import threading
-from typing import IO, Optional
+import time
+from typing import IO, List, Optional, Tuple
+
+#: Where loky's named semaphores show up (glibc names them ``/dev/shm/sem.<name>``).
+SEMAPHORE_DIR = "/dev/shm"
+#: loky's SemLock._make_name: "/loky-<pid>-<8 of tempfile's random characters>".
+_LOKY_SEMAPHORE = re.compile(r"^sem\.loky-([0-9]+)-[a-z0-9_]{8}$")
+#: How long the watchdog waits for a dead owner's pid to be gone before leaving its semaphores.
+OWNER_EXIT_WAIT = 10.0
 
 
-def _serve(stream: IO[bytes]) -> None:
-    """Track registrations from ``stream``; clean up at its end-of-file."""
+def _process_state(pid: int) -> Optional[Tuple[str, int]]:
+    """(state letter, start time) of ``pid`` from ``/proc``; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    try:
+        return fields[0].decode("ascii", "replace"), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_is_gone(pid: int) -> bool:
+    """True when no process runs with ``pid`` in this pid namespace: none has it, or a zombie (dead, unreaped)."""
+    state = _process_state(pid)
+    if state is not None:
+        return state[0] in ("Z", "X")
+    try:
+        os.kill(pid, 0)  # /proc may be unreadable: ask the kernel
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def loky_semaphores(pid: Optional[int] = None) -> List[str]:
+    """Paths of loky's named semaphores of this user, all or only those named after ``pid``.
+
+    Only regular files owned by this user whose name is exactly loky's
+    pattern: nothing else in the folder is ever listed.
+    """
+    try:
+        names = os.listdir(SEMAPHORE_DIR)
+    except OSError:
+        return []
+    found = []
+    for name in sorted(names):
+        match = _LOKY_SEMAPHORE.match(name)
+        if match is None or (pid is not None and int(match.group(1)) != pid):
+            continue
+        path = os.path.join(SEMAPHORE_DIR, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            found.append(path)
+    return found
+
+
+def semaphore_pid(path: str) -> Optional[int]:
+    """The pid a loky semaphore's name carries; None for any other name."""
+    match = _LOKY_SEMAPHORE.match(os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+def remove_loky_semaphores(pid: int, dry_run: bool = False) -> List[str]:
+    """Unlink the named semaphores loky made for the dead process ``pid``; return those removed.
+
+    Nothing is removed while a process has that pid: a dead owner's pid
+    reused by a live process (which may have made semaphores of its own)
+    cannot be told apart by name. ``unlink`` removes the name only, and a
+    symbolic link at the name is removed itself, never followed.
+    """
+    if pid <= 0 or not pid_is_gone(pid):
+        return []
+    removed = []
+    for path in loky_semaphores(pid):
+        if not dry_run:
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+        removed.append(path)
+    return removed
+
+
+def semaphore_report() -> List[str]:
+    """Lines for the doctor: loky's named semaphores left by processes that are gone, by pid."""
+    by_pid: dict = {}
+    for path in loky_semaphores():
+        pid = semaphore_pid(path)
+        if pid is not None and pid_is_gone(pid):
+            by_pid.setdefault(pid, []).append(path)
+    if not by_pid:
+        return ["no named semaphores of loky left by dead processes"]
+    return [
+        f"{SEMAPHORE_DIR}/sem.loky-{pid}-*: {len(paths)} named semaphore(s) of loky left by dead pid {pid} "
+        "(`python -m memshare clean` removes those of memshare's dead owners)"
+        for pid, paths in sorted(by_pid.items())
+    ]
+
+
+def _wait_for_owner_exit(owner: int, start: Optional[int]) -> bool:
+    """Wait until the process ``owner`` (started at ``start``) is gone; True when it is, False if replaced or slow.
+
+    A zombie of the same process is gone for this purpose: it runs no more
+    code, and its parent may take any time to reap it.
+    """
+    deadline = time.monotonic() + OWNER_EXIT_WAIT
+    while True:
+        state = _process_state(owner)
+        if state is None:
+            return True
+        if start is not None and state[1] != start:
+            return False  # the pid names another process now: its semaphores may be its own
+        if state[0] in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _serve(stream: IO[bytes], owner: int = 0, start: Optional[int] = None) -> None:
+    """Track registrations from ``stream``; clean up at its end-of-file.
+
+    ``owner`` is the pid of the process being watched (0: unknown) and
+    ``start`` its start time, read when the watchdog started.
+    """
     registered: set[bytes] = set()
+    said_goodbye = False
     for line in stream:
         line = line.strip()
         if not line:
@@ -37,6 +177,13 @@ def _serve(stream: IO[bytes]) -> None:
             registered.add(path)
         elif action == b"-":
             registered.discard(path)
+        elif action == b".":
+            said_goodbye = True
+    # The owner died (no goodbye): its semaphores go first, once its pid is gone (a
+    # moment after the pipe closed), and its folders last, so that a watchdog killed
+    # in between leaves a folder by which ``python -m memshare clean`` finds the owner.
+    if owner > 0 and not said_goodbye and _wait_for_owner_exit(owner, start):
+        remove_loky_semaphores(owner)
     for path in registered:
         # Only a directory of this user: a folder (or symlink) another user
         # planted at one of the registered names, which the owner passed
@@ -90,6 +237,11 @@ class WatchdogClient:
         if process is None:
             return
         try:
+            # A normal exit: loky removes its own semaphores, and this process is still running.
+            process.stdin.write(b".\n")
+        except (OSError, ValueError):
+            pass
+        try:
             process.stdin.close()
             process.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
@@ -124,7 +276,7 @@ class WatchdogClient:
             return process
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__)],
+                [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -147,4 +299,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _serve(sys.stdin.buffer)
+    watched = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 0
+    # The owner's start time now, while it is surely alive (it just started this process).
+    watched_state = _process_state(watched) if watched > 0 else None
+    _serve(sys.stdin.buffer, watched, watched_state[1] if watched_state else None)

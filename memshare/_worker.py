@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Any, Iterator, Optional
+
+import numpy as np
 
 from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
 from ._reducers import Reducers, ResultPolicy, by_value, pack, pack_result, unpack
+from ._refs import USER, kind_of_path
 
 # Reducers for return values set up by the pool that started this worker
 # (its ``backward_reducers``); one pool per worker process, so process-wide.
@@ -61,7 +65,95 @@ def _call(stream: bytes):
     # A function of its own, so that the function and its arguments are gone
     # when it returns: a result they still referenced could not be released.
     func, args, kwargs = unpack(stream)
-    return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    except ValueError as exc:
+        try:
+            if is_read_only_error(exc) and _maps_read_only(func, args, kwargs):
+                add_note(exc, READ_ONLY_NOTE)
+        except Exception:  # explaining must never replace the task's own error
+            pass
+        raise
+
+
+#: The note added to a task's read-only error when memshare mapped one of its arguments read-only.
+READ_ONLY_NOTE = (
+    "memshare: this task was given arrays that memshare mapped read-only (mmap_mode='r', the default: the "
+    "workers share one copy of the data), and writing into one fails. To write into it, pass mmap_mode='c' "
+    "(copy-on-write: "
+    "each task's writes stay private to it), or make the array with memshare.empty()/memshare.zeros() or "
+    "memshare.share(X) and pass that (a shared array: workers' writes reach the parent), or write into "
+    "X.copy() in the task."
+)
+# NumPy's wording since 1.7 and through 2.x is "<what> is read-only" (PyArray_FailUnlessWriteable: "assignment
+# destination", "output array", "sort array", "underlying array"...); Cython's typed memoryviews (scikit-learn)
+# say "buffer source array is read-only"; asking for write access to a read-only mapping says the last one.
+_READ_ONLY_MESSAGE = re.compile(r"(\bis read-only$)|(^cannot set WRITEABLE flag to True of this array)")
+# How far _maps_read_only looks into containers passed as arguments, and how many objects it looks at: joblib's
+# batch holds its tasks as a list of (function, args, kwargs), so an argument array is four levels down.
+_SEARCH_DEPTH, _SEARCH_ITEMS = 5, 10_000
+
+
+#: Whether exceptions have ``add_note`` (Python 3.11+); a constant, so that tests can take the older way.
+HAS_NOTES = hasattr(BaseException, "add_note")
+
+
+def is_read_only_error(exc: BaseException) -> bool:
+    """True when ``exc`` is NumPy's (or Cython's) error for writing into a read-only array."""
+    if not isinstance(exc, ValueError) or not exc.args or not isinstance(exc.args[0], str):
+        return False
+    first_line = exc.args[0].strip().splitlines()[0] if exc.args[0].strip() else ""
+    return bool(_READ_ONLY_MESSAGE.search(first_line))
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc``, keeping its type: ``add_note`` on Python 3.11+, else appended to its message.
+
+    Before 3.11 there are no notes: the first argument (the message) gets the
+    note on a line of its own, so ``str(exc)`` and the traceback show it and
+    ``except ValueError`` still catches the exception.
+    """
+    if HAS_NOTES:
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",) + tuple(exc.args[1:])
+
+
+def _maps_read_only(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether any argument is (a view of) an array memshare mapped read-only for this task.
+
+    Only memshare's own files count (dumps, arrays held once, shared arrays):
+    a user's ``np.memmap`` opened with mode ``'r'`` is read-only by the
+    user's choice. The arguments are searched into lists, tuples and dicts,
+    a few levels deep; so are the arguments bound into ``func``: a
+    ``functools.partial``'s, and the tasks of a joblib batch (its public
+    ``items``, a list of (function, args, kwargs)), which is how
+    ``memshare.Parallel`` sends them. Called only after a read-only error,
+    so the happy path pays nothing.
+    """
+    bound = [getattr(func, name, None) for name in ("args", "keywords", "items")]
+    searched = (args, kwargs, [value for value in bound if isinstance(value, (list, tuple, dict))])
+    for array in _arrays_in(searched, _SEARCH_DEPTH, [_SEARCH_ITEMS]):
+        if array.flags.writeable:
+            continue
+        backing: Any = array
+        while backing is not None and not (isinstance(backing, np.memmap) and backing.filename):
+            backing = getattr(backing, "base", None)
+        if backing is not None and getattr(backing, "mode", None) == "r" and kind_of_path(backing.filename) != USER:
+            return True
+    return False
+
+
+def _arrays_in(value: Any, depth: int, budget: list) -> Iterator[np.ndarray]:
+    """The arrays in ``value`` and its containers down to ``depth`` levels, at most ``budget[0]`` objects."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return
+    if isinstance(value, np.ndarray):
+        yield value
+    elif depth > 0 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _arrays_in(item, depth - 1, budget)
 
 
 def _packing_error(exc: BaseException, ok: bool, what: str) -> BaseException:

@@ -288,6 +288,11 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         """The current call's folder in shared memory, if a call is running."""
         return None if self._session is None else self._session.folder.pair.primary
 
+    @property
+    def promote(self) -> Optional[bool]:
+        """The ``promote`` this backend was made with; None: ``$MEMSHARE_PROMOTE`` decides (doctor reports it)."""
+        return self._promote
+
 
 def _explain_terminated(exc: BaseException) -> str:
     text = str(exc)

@@ -175,8 +175,10 @@ def test_non_ascii_and_long_temp_paths(tmp_path, name):
     data = np.ones(300_000)
     result = run_script(
         f"""
+        import warnings
         import numpy as np
         from memshare import Parallel, delayed
+        warnings.filterwarnings("ignore", message=".*is on .*, not RAM")  # the folder is on disk on purpose
         def f(x):
             return float(x.sum())
         if __name__ == "__main__":

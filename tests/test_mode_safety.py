@@ -172,6 +172,7 @@ def test_a_copy_on_write_memmaps_dump_follows_its_current_writeable_flag(tmp_pat
     path = tmp_path / "data.bin"
     fresh(seed=2)[: 2 * MIB // 8].tofile(path)
     m = np.memmap(path, dtype=np.float64, mode="c")
+    m[0] = -m[0]  # written in this process: copied (an unwritten one goes by reference, as a file)
     with Parallel(n_jobs=2, max_nbytes="1M") as parallel:
         first = parallel(delayed(file_and_mode)(m) for _ in range(2))
         m.flags.writeable = False

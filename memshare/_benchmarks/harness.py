@@ -4,6 +4,15 @@ Contenders are interleaved within each repeat (and their order rotated from
 one repeat to the next) because the machines this runs on are shared and
 noisy: a slow minute then hurts every contender alike, and the ratio
 memshare/joblib from the same run is the figure to trust, not absolute times.
+The report records the load average before and after, and says when the run
+was too noisy to trust (:func:`noise_reason`); it defines every contender and
+column under the table it appears in; the run writes a picture of each
+contender against joblib (:func:`write_picture`, with matplotlib).
+
+Before any process or data exists, a size whose peak (every contender process
+of a workload holding the data, plus the copies of the one being timed) would
+exceed the memory available is refused (:func:`check_fits`); a contender
+process that dies is reported by name and signal, and the run goes on.
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .processes import ContenderProcess
+from .processes import ContenderDied, ContenderProcess
 from .workloads import CONTENDERS, LIMIT_PARTS, PICKLING, make_workloads
 
 GiB = 1 << 30
@@ -29,6 +38,37 @@ MiB = 1 << 20
 QUICK_SIZE = 8 * MiB
 DEFAULT_WORKLOADS = "abcdefghi"
 LOOP_WORKLOAD = "i"  # the shared-array loop: per-call overheads and memory per call against the data size
+
+#: What each contender is: the report defines, under each table, every contender that appears in it.
+CONTENDER_MEANINGS: Dict[str, str] = {
+    "memshare": "memshare.Parallel with its defaults (arrays above 1 MiB go to shared memory once; a large "
+    "ordinary array is held once: its own memory becomes the shared file); in (f) and (i) it gets a "
+    "memshare.share() array",
+    "memshare-plain": "memshare.Parallel handed the plain np.ndarray where `memshare` gets a shared array",
+    "memshare-copy": "memshare.Parallel with MemshareBackend(promote=False): the array is copied (dumped) to shared "
+    "memory for the call instead of held once",
+    "joblib": "joblib.Parallel with its defaults (loky; arrays above 1 MB dumped to a memmapped file per call)",
+    "joblib-nomemmap": "joblib.Parallel(max_nbytes=None): no memmapping, every argument is pickled to the workers",
+    "mp.Pool": "multiprocessing.Pool (spawn), starmap: every argument is pickled",
+    "serial": "a plain loop in one process: the work itself, with no parallel machinery (n_jobs=1)",
+}
+#: The columns of the main table.
+COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
+    ("median time", "median wall time of one timed call over the repeats (workers already started)"),
+    ("min-max", "the fastest and slowest repeat"),
+    (
+        "peak extra memory",
+        "the highest memory of the contender's process tree during the call, above what it held just before",
+    ),
+    (
+        "extra after return",
+        "memory the tree still held once the call returned and memory settled (sampled every 20 ms until 8 samples "
+        "in a row agree within 2 MiB, at most 2 s), the returned values still referenced: what the call keeps, not "
+        "what it frees a moment after returning",
+    ),
+    ("time / joblib, memory / joblib", "this contender's median time or memory divided by joblib's (< 1 is better)"),
+    ("correct", "the result equals the serial loop's"),
+)
 
 
 def parse_size(text: str) -> int:
@@ -120,6 +160,135 @@ class Report:
     titles: Dict[str, str] = field(default_factory=dict)
     memory_mode: str = "tree"
     limit_formulas: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.limit_formula
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    load_before: Optional[Tuple[float, float, float]] = None  # os.getloadavg() before the first process started
+    load_after: Optional[Tuple[float, float, float]] = None  # ... and after the last one ended
+
+
+def load_average() -> Optional[Tuple[float, float, float]]:
+    """The machine's 1, 5 and 15-minute load averages; None where the system does not say."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def noise_reason(report: Report) -> Optional[str]:
+    """Why the run was too noisy to trust, or None.
+
+    The rule: the 1-minute load average before the run (other processes'
+    load: the run has not started) above half the cores, or the one after it
+    above the cores plus the run's own n_jobs workers and its parent. Either
+    means other processes competed for the cores while contenders were timed.
+    """
+    cores = report.cores
+    if report.load_before is not None and report.load_before[0] > cores / 2:
+        return (
+            f"the 1-minute load average was {report.load_before[0]:.2f} before the run, above half of the {cores} "
+            "cores: other processes were busy"
+        )
+    own = report.n_jobs + 1
+    if report.load_after is not None and report.load_after[0] > cores + own:
+        return (
+            f"the 1-minute load average was {report.load_after[0]:.2f} after the run, above the {cores} cores plus "
+            f"the run's own {own} processes: other processes competed with it"
+        )
+    return None
+
+
+def load_line(report: Report) -> str:
+    """The load averages before and after, and the verdict on noise, for the report."""
+
+    def show(load: Optional[Tuple[float, float, float]]) -> str:
+        return "unknown" if load is None else " / ".join(f"{x:.2f}" for x in load)
+
+    line = (
+        f"Machine load (1 / 5 / 15-minute load average, {report.cores} cores): "
+        f"before the run {show(report.load_before)}, after it {show(report.load_after)}."
+    )
+    reason = noise_reason(report)
+    if reason is not None:
+        return (
+            line + f" **TOO NOISY TO TRUST**: {reason}. Run again on a quiet machine; even then, compare ratios "
+            "from one run, not times across runs."
+        )
+    return line + " Quiet enough: rule: noisy when the load before exceeds half the cores, or the load after exceeds "
+    "the cores plus the run's own processes."
+
+
+class TooLargeError(ValueError):
+    """The benchmark would need more memory than the machine has available."""
+
+
+#: The share of MemAvailable a run may plan to use: the rest is left to the system and other processes.
+MEMORY_SHARE = 0.9
+
+
+def data_factor(key: str) -> int:
+    """How many times ``size`` the prepared data of workload ``key`` holds in each contender's process."""
+    return 0 if key in ("c", "d") else 1
+
+
+def copies_factor(key: str, contender: str) -> int:
+    """How many times ``size`` a contender makes while it is timed on workload ``key``, on top of its data.
+
+    A fresh copy of the input before each repeat (then the old one is freed),
+    a dump or the pickled pieces during the call; for (c) the results, once in
+    the worker and, when pickled or dumped, once more in the parent.
+    """
+    if key == "d":
+        return 0
+    if key == "c":
+        return 2 if contender in PICKLING + ("joblib",) else 1
+    return 1
+
+
+def estimate_peak(workloads: str, contenders: Sequence[str], size: int) -> Tuple[int, str, int]:
+    """The most memory a run needs at once: (bytes, the workload that needs it, its contender processes).
+
+    Every contender of a workload lives in a process of its own, each holding
+    its own data, for the whole workload; contenders are timed one at a time,
+    so the copies of one timed contender come on top. Pickling contenders are
+    counted even where the pickle budget would skip them.
+    """
+    best = (0, "", 0)
+    for key, workload in make_workloads().items():
+        if key not in workloads:
+            continue
+        names = [c for c in workload.contenders if c in contenders]
+        if workload.limit_bytes is not None and "memshare" in names:
+            names += [p for p in LIMIT_PARTS if workload.limit_formula == "inputs" or p != "first-touch"]
+        if not names:
+            continue
+        peak = size * (len(names) * data_factor(key) + max(copies_factor(key, n) for n in names))
+        if peak > best[0]:
+            best = (peak, key, len(names))
+    return best
+
+
+def check_fits(workloads: str, contenders: Sequence[str], size: int, available: Optional[int] = None) -> None:
+    """Refuse, before any process or data exists, a run whose peak exceeds the memory available.
+
+    A run past it would meet the kernel's OOM killer, which may end any
+    process of the user, not only the benchmark's.
+    """
+    available = _meminfo("MemAvailable") if available is None else available
+    if available <= 0:
+        return  # unknown (no /proc/meminfo): nothing to judge by
+    peak, key, processes = estimate_peak(workloads, contenders, size)
+    budget = int(MEMORY_SHARE * available)
+    if peak <= budget:
+        return
+    factor = peak / size
+    largest = int(budget / factor) // MiB * MiB
+    fits = f"--size {largest // MiB}M" if largest >= MiB else "no size (free some memory first)"
+    raise TooLargeError(
+        f"--size {format_size(size)} needs about {format_size(peak)} at its peak (workload ({key}): {processes} "
+        f"contender processes each hold the data, plus the copies of the one being timed), more than "
+        f"{int(MEMORY_SHARE * 100)}% of the {format_size(available)} available (MemAvailable). The largest size "
+        f"that fits is {format_size(largest)}: pass {fits}, or trim the contenders with --contenders (e.g. "
+        "--contenders memshare,joblib) or the workloads with --workloads."
+    )
 
 
 def run_benchmark(
@@ -150,6 +319,8 @@ def run_benchmark(
     unknown = [k for k in workloads if k not in all_workloads and k not in ", "]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}: choose among {''.join(all_workloads)}")
+    check_fits(workloads, contenders, size)
+    report.load_before = load_average()
 
     plans = []
     for workload in chosen:
@@ -188,7 +359,13 @@ def run_benchmark(
                         )
                         continue
                     processes[name] = ContenderProcess(name)
-                    prepared = processes[name].prepare(workload.key, size, quick)
+                    try:
+                        prepared = processes[name].prepare(workload.key, size, quick)
+                    except ContenderDied as died:
+                        _note_death(report, workload.key, died, "preparing its data")
+                        processes.pop(name).close()
+                        bar.update(repeats * len(jobs_values))
+                        continue
                     pickled = prepared if pickled is None else pickled
                 _run_rotation(report, workload.key, processes, jobs_values, repeats, bar)
             finally:
@@ -196,7 +373,15 @@ def run_benchmark(
                     process.close()
     finally:
         bar.close()
+        report.load_after = load_average()
     return report
+
+
+def _note_death(report: Report, key: str, died: ContenderDied, when: str) -> None:
+    """Report a contender whose process died, by name and signal; the run goes on with the others."""
+    note = f"({key}) {died.name}: its process died while {when}: {died}; its remaining runs of ({key}) are left out"
+    report.notes.append(note)
+    print(f"note: {note}", file=sys.stderr)
 
 
 def _run_rotation(report: Report, key: str, processes: Dict[str, Any], jobs_values, repeats: int, bar) -> None:
@@ -204,13 +389,20 @@ def _run_rotation(report: Report, key: str, processes: Dict[str, Any], jobs_valu
     active = list(processes)
     for jobs in jobs_values:
         for repeat in range(repeats):
+            if not active:
+                return
             shift = repeat % len(active)
             for name in active[shift:] + active[:shift]:
                 bar.set_description(f"({key}) {name} n_jobs={jobs} #{repeat + 1}")
                 process = processes[name]
-                seconds, peak, end, correct, stats, imported = process.measure(
-                    jobs if name != "serial" else 1, report.memory_mode
-                )
+                try:
+                    seconds, peak, end, correct, stats, imported = process.measure(
+                        jobs if name != "serial" else 1, report.memory_mode
+                    )
+                except ContenderDied as died:
+                    _note_death(report, key, died, f"timed at n_jobs={jobs}")
+                    active.remove(name)
+                    continue
                 if not correct:
                     report.notes.append(f"({key}) {name} n_jobs={jobs}: WRONG RESULT")
                 report.measurements.append(
@@ -350,6 +542,32 @@ def _fmt(value: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+#: The columns of the table against the limit.
+LIMIT_COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
+    ("serial", "median time of the serial loop"),
+    ("write", "median time of one write of the data (or the results) to a new file in /dev/shm"),
+    ("first touch", "median time for a started worker to map such a file and read every page once"),
+    ("limit", "the fastest a call could be, from the parts as described above"),
+    ("memshare, memshare / limit, joblib / limit", "memshare's median time, and each one's median time / limit"),
+)
+#: The columns of the shared-array loop's table.
+LOOP_COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
+    ("median time (10 calls)", "median wall time of the 10 calls together"),
+    ("per-call overhead", "(median time - the serial median of the same 10 passes) / 10"),
+    ("overhead / joblib's", "this contender's per-call overhead / joblib's (< 1 is better)"),
+    ("peak extra memory", "as in the first table, over the 10 calls"),
+    ("memory / data", "peak extra memory / the array's size"),
+)
+
+
+def _legend(contenders: Sequence[str], columns: Sequence[Tuple[str, str]]) -> List[str]:
+    """Lines defining the contenders of a table (each once, in the order of :data:`CONTENDERS`) and its columns."""
+    named = [c for c in CONTENDER_MEANINGS if c in contenders]
+    lines = ["", "Contenders:", ""] + [f"- `{c}`: {CONTENDER_MEANINGS[c]}" for c in named]
+    lines += ["", "Columns:", ""] + [f"- {name}: {meaning}" for name, meaning in columns]
+    return lines
+
+
 def markdown_table(report: Report) -> str:
     """The results as markdown: a table, the workload legend, memshare's figures and the notes."""
     rows = summarize(report)
@@ -362,6 +580,8 @@ def markdown_table(report: Report) -> str:
             else "the tree's new /dev/shm files and memfds (named after a tree pid, or mapped or open in the tree)"
         )
         + ", median over repeats. Ratios: this contender / joblib (< 1 is better).",
+        "",
+        load_line(report),
         "",
         "| workload | contender | n_jobs | median time | min-max | peak extra memory | extra after return "
         "| time / joblib | memory / joblib | correct |",
@@ -376,6 +596,7 @@ def markdown_table(report: Report) -> str:
             f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {format_size(r['after'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )
+    lines += _legend([r["contender"] for r in rows], COLUMN_MEANINGS)
     limits = limit_rows(report)
     if limits:
         lines += [
@@ -401,6 +622,7 @@ def markdown_table(report: Report) -> str:
                 f"| {r['limit']:.3f} s | {_fmt(r['memshare'], '.3f', ' s')} | {_fmt(r['memshare_ratio'], '.2f')} "
                 f"| {_fmt(r['joblib_ratio'], '.2f')} |"
             )
+        lines += _legend(["memshare", "joblib"], LIMIT_COLUMN_MEANINGS)
     loops = loop_rows(report)
     if loops:
         lines += [
@@ -420,6 +642,7 @@ def markdown_table(report: Report) -> str:
                 f"| {_fmt(r['overhead_ratio'], '.3f')} | {format_size(r['memory'])} "
                 f"| {_fmt(r['memory_per_data'], '.2f')} |"
             )
+        lines += _legend([r["contender"] for r in loops], LOOP_COLUMN_MEANINGS)
     lines += ["", "Workloads:", ""]
     lines += [f"- ({k}) {t}" for k, t in report.titles.items()]
     stats_rows = [r for r in rows if r["contender"].startswith("memshare") and r["stats"]]
@@ -464,6 +687,62 @@ def plot_sweep(report: Report, path: str) -> bool:
     return True
 
 
+def plot_workloads(report: Report, path: str) -> bool:
+    """PNG of each contender's time and peak memory against joblib's, per workload; False if nothing to plot.
+
+    The picture people look at first: one bar per contender and workload
+    (ratio to joblib, log scale, 1 = as joblib), at the run's n_jobs.
+    """
+    rows = [r for r in summarize(report) if r["n_jobs"] == report.n_jobs and r["contender"] != "joblib"]
+    rows = [r for r in rows if r["time_ratio"] is not None or r["memory_ratio"] is not None]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({r["workload"] for r in rows})
+    names = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, column, title in zip(axes, ("time_ratio", "memory_ratio"), ("time / joblib", "peak extra memory / joblib")):
+        for i, name in enumerate(names):
+            mine = {r["workload"]: r[column] for r in rows if r["contender"] == name and r[column]}
+            xs = [k for k, key in enumerate(keys) if key in mine]
+            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [mine[keys[x]] for x in xs], width, label=name)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(keys)), [f"({k})" for k in keys])
+        ax.set(xlabel="workload (see the report)", ylabel=f"{title} (log; < 1 is better)", title=title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize="small")
+    noisy = " - TOO NOISY TO TRUST" if noise_reason(report) else ""
+    fig.suptitle(f"memshare bench: array of {format_size(report.size)}, n_jobs={report.n_jobs}{noisy}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def default_picture_path() -> str:
+    """Where the default run puts its picture: a new file in the current folder, named by the time."""
+    return os.path.abspath(f"memshare-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
+
+
+def write_picture(report: Report, path: Optional[str]) -> str:
+    """Write the picture of ``report`` to ``path`` (default: :func:`default_picture_path`); say what happened."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return (
+            "picture: none: matplotlib is not installed. pip install 'memshare[bench]' (or pip install "
+            "matplotlib) to get a picture of time and memory per workload against joblib."
+        )
+    path = os.path.abspath(path or default_picture_path())
+    if not plot_workloads(report, path):
+        return "picture: none: no workload with both a contender and joblib to compare"
+    return f"picture: {path} (time and memory per workload against joblib)"
+
+
 def build_parser(
     prog: str = "python -m benchmarks.run",
     default_workloads: str = DEFAULT_WORKLOADS,
@@ -492,6 +771,13 @@ def build_parser(
         "--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h; needs matplotlib)"
     )
     parser.add_argument("--output", metavar="FILE", help="write the markdown report with a machine header")
+    parser.add_argument(
+        "--picture",
+        metavar="FILE",
+        help="PNG of time and memory per workload against joblib (default: memshare-bench-<date>-<time>.png in the "
+        "current folder; needs matplotlib, else the run says how to get it)",
+    )
+    parser.add_argument("--no-picture", action="store_true", help="write no picture")
     parser.add_argument(
         "--memory-mode",
         choices=("tree", "machine"),
@@ -559,6 +845,8 @@ def main(
         return 2
     table = markdown_table(report)
     print(table)
+    if not args.no_picture:
+        print(write_picture(report, args.picture))
     if args.output:
         argv_used = [command or prog] + list(sys.argv[1:] if argv is None else argv)
         header = ["# memshare benchmark results", "", "Machine (shared and noisy: compare ratios, not times):", ""]

@@ -30,11 +30,17 @@ import os
 import re
 import subprocess
 import sys
-from typing import Dict, List, Optional, Set, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import psutil
 
 DEFAULT_INTERVAL = 0.02
+#: "Extra after return" is sampled until this many consecutive samples agree within SETTLE_TOLERANCE bytes...
+SETTLE_SAMPLES = 8
+SETTLE_TOLERANCE = 2 << 20
+#: ...or for at most this many seconds after the call returned.
+SETTLE_SECONDS = 2.0
 SHM_DIR = "/dev/shm"
 MEMFD_PREFIX = "/memfd:"  # how memfds show in /proc/PID/maps and as /proc/PID/fd links
 FileKey = Tuple[int, int, str]
@@ -151,7 +157,8 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
 
     Protocol (one line each): it prints ``ready <baseline>``, waits for any line
     on stdin while sampling, then prints ``done <baseline> <peak> <samples> <last>``, where ``<last>``
-    is the final sample: the memory still held once the measured call has returned.
+    is the final sample: the memory still held once the measured call has returned and memory settled
+    (:func:`settled`, at most ``SETTLE_SECONDS``).
     """
     import select
 
@@ -180,7 +187,29 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
     # One last sample so that a peak at the very end is not missed.
     last = sample()
     peak = max(peak, last)
-    print(f"done {baseline} {peak} {samples + 1} {last}", flush=True)
+    settling = settle(sample, last, interval)
+    print(f"done {baseline} {peak} {samples + len(settling)} {settling[-1]}", flush=True)
+
+
+def settle(sample: Callable[[], int], first: int, interval: float, seconds: float = SETTLE_SECONDS) -> List[int]:
+    """Samples taken from ``first`` on until memory settles (:func:`settled`) or ``seconds`` pass; the last counts.
+
+    What a call still holds once it returned: memory may be released a little
+    after the call returns (a dump deleted by a callback 50-70 ms later, say),
+    so one sample at the return would report it as held.
+    """
+    samples = [first]
+    deadline = time.monotonic() + seconds
+    while not settled(samples) and time.monotonic() < deadline:
+        time.sleep(interval)
+        samples.append(sample())
+    return samples
+
+
+def settled(samples: List[int], count: int = SETTLE_SAMPLES, tolerance: int = SETTLE_TOLERANCE) -> bool:
+    """True when the last ``count`` samples differ by at most ``tolerance`` bytes: memory stopped changing."""
+    recent = samples[-count:]
+    return len(recent) == count and max(recent) - min(recent) <= tolerance
 
 
 class MemorySampler:
@@ -188,8 +217,9 @@ class MemorySampler:
 
     After the ``with`` block, ``baseline_bytes``, ``peak_bytes``,
     ``peak_extra_bytes`` (peak minus baseline, never negative), ``end_extra_bytes``
-    (the last sample minus baseline, never negative: what is still held when the
-    block ends) and ``samples`` are set. The baseline is taken before ``__enter__`` returns. The sampler is
+    (the last sample minus baseline, never negative: what is still held once the
+    block ended and memory settled, see :func:`settled`) and ``samples`` are set.
+    The baseline is taken before ``__enter__`` returns. The sampler is
     a plain subprocess running this file, so the caller needs no
     ``if __name__ == "__main__"`` guard (as it would with a spawned
     ``multiprocessing.Process``).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,27 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_contender.p
 
 class ContenderError(RuntimeError):
     """The contender's process failed; the message holds its traceback."""
+
+
+class ContenderDied(ContenderError):
+    """The contender's process died (a signal, the OOM killer's SIGKILL say): the run can go on without it."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        self.name, self.returncode = name, returncode
+        super().__init__(f"the {name} process {describe_exit(returncode)}")
+
+
+def describe_exit(returncode: int) -> str:
+    """``returncode`` of a process in words: the signal that killed it, by name, or its exit status."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGKILL:
+        return f"was killed by {name} (when memory runs out, the kernel's OOM killer sends SIGKILL: see `dmesg`)"
+    return f"was killed by {name}"
 
 
 class ContenderProcess:
@@ -37,11 +59,11 @@ class ContenderProcess:
         return self._process.pid
 
     def _ask(self, message: tuple, expect: str) -> tuple:
-        self._conn.send(message)
         try:
+            self._conn.send(message)
             answer = self._conn.recv()
-        except EOFError:
-            raise ContenderError(f"the {self.name} process exited with status {self._process.wait()}") from None
+        except (EOFError, OSError):  # the process is gone: EOF, or a broken pipe / reset while sending
+            raise ContenderDied(self.name, self._exit_status()) from None
         if answer[0] == "error":
             raise ContenderError(f"the {self.name} process failed:\n{answer[1]}")
         if answer[0] != expect:
@@ -60,6 +82,14 @@ class ContenderProcess:
             seconds = self._ask(("go",), "done")[1]
         _, correct, stats, imported = self._ask(("sampled",), "measured")
         return seconds, sampler.peak_extra_bytes, sampler.end_extra_bytes, correct, stats, imported
+
+    def _exit_status(self) -> int:
+        """The exit status of a process whose socket closed; killed if it lingers without its socket."""
+        try:
+            return self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            return self._process.wait()
 
     def close(self) -> None:
         """Ask the process to quit; kill it if it does not within a minute."""
