@@ -1,6 +1,6 @@
-"""Many medium arrays (issue 22): 3000 arrays of 128 KiB, 375 per task, memshare against joblib.
+"""Many medium arrays: 3000 arrays of 128 KiB, 375 per task, memshare against joblib.
 
-The user's case of issue 22: a list of 3000 arrays of 128 KiB sent in 8
+A user's case: a list of 3000 arrays of 128 KiB sent in 8
 tasks of 375 to two workers with ``max_nbytes="64K"``, called twice (a
 second call over the same arrays), then one task with all 3000. Each run is
 a fresh interpreter with ``ulimit -n`` 1024, soft and hard, as an ordinary

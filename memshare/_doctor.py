@@ -398,7 +398,7 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
     _check_folders(shm, say, verdict)
     say("memshare memfds")
     _check_memfds(say)
-    say("Descriptors and loky's named semaphores")  # issue 22: the budget, and what dead runs left
+    say("Descriptors and loky's named semaphores")  # the descriptor budget, and what dead runs left
     for line in _memfd.descriptor_report() + _watchdog.semaphore_report():
         say(f"  {line}")
 

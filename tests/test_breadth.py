@@ -1,4 +1,4 @@
-"""Breadth: thousands of arrays without running out of descriptors, and nothing left behind (issue 22).
+"""Breadth: thousands of arrays without running out of descriptors, and nothing left behind.
 
 A mapping needs no descriptor once it exists, so memshare keeps none for
 its mappings (``_mapping.map_file``), holds its memfds to a budget of the
@@ -31,7 +31,7 @@ from memshare._watchdog import loky_semaphores
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux")
 
-#: The user's case of issue 22: 3000 arrays of 128 KiB, 375 per task, under ``ulimit -n`` 1024 (soft and hard).
+#: A user's case: 3000 arrays of 128 KiB, 375 per task, under ``ulimit -n`` 1024 (soft and hard).
 BREADTH_SCRIPT = """
 import json, os, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # soft and hard: nothing to raise
