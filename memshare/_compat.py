@@ -29,6 +29,7 @@ import joblib
 import joblib.parallel as _joblib_parallel
 import numpy as np
 from joblib.externals.loky import process_executor as _loky_process_executor
+from joblib.externals.loky.backend import resource_tracker as _loky_resource_tracker
 
 try:  # numpy >= 2
     from numpy._core import multiarray as _np_multiarray
@@ -137,6 +138,12 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: isinstance(getattr(getattr(_mp_forkserver, "_forkserver", None), "_preload_modules", None), list),
     ),
     (
+        "loky resource_tracker._resource_tracker._lock",
+        "loky 3.4's tracker lock is made re-entrant: a semaphore finalized by the garbage collector inside it "
+        "would otherwise deadlock the call that starts workers",
+        lambda: _has(getattr(_loky_resource_tracker, "_resource_tracker", None), "_lock"),
+    ),
+    (
         "threading.Lock._at_fork_reinit",
         "memshare's locks are unlocked in a forked child, as the standard library does for its own",
         lambda: _has(threading.Lock(), "_at_fork_reinit") and _has(threading.RLock(), "_at_fork_reinit"),
@@ -212,6 +219,23 @@ def set_loky_leak_limit(nbytes: int) -> None:
     """
     if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
         _loky_process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
+
+
+def make_loky_tracker_reentrant() -> None:
+    """Give loky's resource tracker a re-entrant lock where it has a plain one (loky 3.4, joblib 1.3 and 1.4).
+
+    ``ResourceTracker.ensure_running`` holds that lock while it probes the
+    tracker process. A garbage collection there may finalize a loky
+    semaphore of an earlier executor, whose finalizer unregisters it through
+    ``ensure_running`` again, in the same thread: with a plain lock the
+    thread waits for itself forever (seen starting a call's workers). Later
+    loky releases build on the standard library's tracker, whose lock is
+    re-entrant already. Called once, at import, before any worker starts.
+    """
+    tracker = getattr(_loky_resource_tracker, "_resource_tracker", None)
+    lock = getattr(tracker, "_lock", None)
+    if lock is not None and isinstance(lock, type(threading.Lock())) and not lock.locked():
+        tracker._lock = threading.RLock()
 
 
 # -- multiprocessing's fork server ----------------------------------------------

@@ -34,7 +34,7 @@ from joblib.parallel import (
 )
 
 from . import _forksafe
-from ._compat import drop_ready_batches
+from ._compat import drop_ready_batches, make_loky_tracker_reentrant
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._executor import discard_executor, get_executor
@@ -304,6 +304,9 @@ def _explain_terminated(exc: BaseException) -> str:
 def _exit_codes(text: str):
     return re.findall(r"\((-?\d+)\)", text)
 
+
+# Before any memshare worker starts: loky 3.4's tracker could otherwise deadlock starting them (see _compat).
+make_loky_tracker_reentrant()
 
 _register_lock = _forksafe.lock()
 
