@@ -204,3 +204,24 @@ def run_with_private_mounts(
         timeout=timeout,
         env=env,
     )
+
+
+def array_fit_to_hold(nbytes: int, seed: int = 0):
+    """A new ordinary float64 array of about ``nbytes`` that memshare can hold once, in this process as it is now.
+
+    Whether an array can be held once also depends on where glibc put it (a mapping of its own, not heap memory
+    freed by earlier tests); arrays that do not qualify are kept aside while another is made. Fails with the reason
+    when none qualifies, so that a test depending on holding once says why it could not.
+    """
+    import numpy as np
+
+    from memshare import _promotion
+
+    kept_aside, reason = [], None
+    for _ in range(16):
+        array = np.random.default_rng(seed).random(nbytes // 8)
+        reason = _promotion.unfit_reason(array, "r", None)
+        if reason is None:
+            return array
+        kept_aside.append(array)
+    raise AssertionError(f"no array of {nbytes} bytes could be held once in this process: {reason}")

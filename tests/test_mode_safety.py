@@ -16,6 +16,7 @@ import zlib
 import joblib
 import numpy as np
 import pytest
+from conftest import array_fit_to_hold
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -42,8 +43,8 @@ def _default_location(monkeypatch):
 
 
 def fresh(extra: int = 0, seed: int = 0) -> np.ndarray:
-    """A new ordinary array of a little over ``SIZE`` bytes, ``extra`` more elements."""
-    return np.random.default_rng(seed).random(SIZE // 8 + extra)
+    """A new ordinary array of a little over ``SIZE`` bytes, ``extra`` more elements, that can be held once."""
+    return array_fit_to_hold(SIZE + 8 * extra, seed)
 
 
 def held_array() -> np.ndarray:
