@@ -106,7 +106,8 @@ class _Pickler(cloudpickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._reduce_array = reduce_array
         self._reducers = reducers or {}
-        self._out_of_band = buffer_callback is not None
+        # Looked up once per pickling pass, not once per object: reducer_override runs for every object.
+        self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
@@ -125,7 +126,7 @@ class _Pickler(cloudpickle.Pickler):
         custom = self._reducers.get(type(obj))
         if custom is not None:
             return custom(obj)
-        if self._out_of_band:
+        if self._arrow_array is not None and isinstance(obj, self._arrow_array):
             arrow = _arrow_column_reduction(obj)
             if arrow is not None:
                 return arrow
@@ -147,6 +148,12 @@ def _code_reduction(code: types.CodeType) -> Any:
         return NotImplemented
 
 
+def _pandas_arrow_array_class() -> Optional[type]:
+    """pandas' ``ArrowExtensionArray`` when pandas is imported already (it is not imported here), else None."""
+    pandas = sys.modules.get("pandas")
+    return getattr(getattr(pandas, "arrays", None), "ArrowExtensionArray", None)
+
+
 def _arrow_column_reduction(obj: Any) -> Optional[Reduction]:
     """A pandas Arrow-backed array (``string[pyarrow]``, pandas 3's default strings, ``ArrowDtype``) without a copy.
 
@@ -157,12 +164,10 @@ def _arrow_column_reduction(obj: Any) -> Optional[Reduction]:
     This reduction is pandas' own state with the chunked array as it is;
     pandas' ``__setstate__`` takes it as it takes a combined one. Values,
     dtype and nulls are the same; only the chunk layout is the column's
-    own rather than a single chunk. Only when pandas is imported already
-    (it is not imported here), for the classes that define that state.
+    own rather than a single chunk. ``obj`` is an ``ArrowExtensionArray``;
+    only classes that define that state are reduced so.
     """
-    pandas = sys.modules.get("pandas")
-    arrow_array = getattr(getattr(pandas, "arrays", None), "ArrowExtensionArray", None)
-    if arrow_array is None or not isinstance(obj, arrow_array) or not hasattr(type(obj), "__setstate__"):
+    if not hasattr(type(obj), "__setstate__"):
         return None
     state = dict(obj.__dict__)
     if "_cache" in state:

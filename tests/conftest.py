@@ -225,3 +225,23 @@ def array_fit_to_hold(nbytes: int, seed: int = 0):
             return array
         kept_aside.append(array)
     raise AssertionError(f"no array of {nbytes} bytes could be held once in this process: {reason}")
+
+
+def process_tree(root: int) -> list:
+    """``root`` and every process below it (found through /proc), whatever session they moved to."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found

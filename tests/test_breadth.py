@@ -21,7 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_script, wait_until
+from conftest import process_tree, run_script, wait_until
 
 from memshare._folders import sweep_dead_owners
 from memshare._mapping import MappingCache, array_from_ref, map_file
@@ -255,25 +255,6 @@ if __name__ == "__main__":
 """
 
 
-def _descendants(pid: int) -> list:
-    """Every process below ``pid`` (children first found through /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                    ppid = int(stat_file.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _named_after(pids) -> list:
     names = os.listdir("/dev/shm")
     return sorted(n for n in names for p in pids if n.startswith(f"sem.loky-{p}-") or n.startswith(f"memshare-{p}-"))
@@ -289,7 +270,7 @@ def _start_and_kill(tmp_path, spare_watchdog: bool):
     )
     try:
         assert process.stdout.readline().strip() == "ready"
-        everyone = [process.pid] + _descendants(process.pid)
+        everyone = process_tree(process.pid)
         assert any(n.startswith(f"sem.loky-{process.pid}-") for n in os.listdir("/dev/shm"))
         watchdogs = [p for p in everyone if b"_watchdog.py" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert watchdogs, "the run has a watchdog"

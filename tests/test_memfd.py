@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import memfds_held, memshare_entries, run_script, run_with_private_mounts, wait_until
+from conftest import memfds_held, memshare_entries, process_tree, run_script, run_with_private_mounts, wait_until
 
 import memshare
 from memshare import Parallel, _handoff, _memfd, delayed
@@ -210,26 +210,6 @@ def _shmem_bytes():
     raise AssertionError("no Shmem line in /proc/meminfo")
 
 
-def _descendants(root):
-    """``root`` and every process below it, whatever session they moved to."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 KILLED_RUN = """
     import os, sys, time
     import numpy as np
@@ -259,11 +239,11 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
         held = [m for m in _memfd.live_memfds() if m.pid == run.pid]
         # The parent holds X's memory as a memfd: X is held once (its head page makes the file one page longer).
         assert [(m.kind, m.nbytes) for m in held] == [("held", 512 * MIB + 4096)]
-        processes = _descendants(run.pid)
+        processes = process_tree(run.pid)
         assert len(processes) >= 3  # the parent and its two workers at least
         before_kill = _shmem_bytes()
     finally:
-        for pid in _descendants(run.pid):
+        for pid in process_tree(run.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
