@@ -1,29 +1,36 @@
-"""Every private name of joblib, loky, numpy, multiprocessing and the threading module that memshare relies on.
+"""Every private name of another library that memshare relies on, and the check that each still exists.
 
-memshare extends these libraries at a few points where they offer no public
+The libraries are joblib, loky, numpy, pandas, multiprocessing and
+threading: memshare extends them at a few points where they offer no public
 hook. Each such use goes through a function of this module, with a line
 saying why, so that a release that renames something breaks in one known
 place instead of deep inside a call. :data:`CHECKS` lists every name; each is
 looked up once, at import, and :func:`failed_checks` reports the missing
-ones. ``python -m memshare doctor`` prints them with the fix. The functions
-below degrade to doing nothing where their name is missing, so a missing
-name costs a safety net, never an import error.
+ones. ``python -m memshare doctor`` prints them with the fix. pandas' one name
+is checked by ``tests/test_compat.py`` only: pandas is optional, and memshare
+does not import it. The functions below degrade to doing nothing where their
+name is missing, so a missing name costs a safety net, never an import error.
 
-``MemmappingPool`` also overrides methods of ``multiprocessing.pool.Pool``
-(``Process``, ``_setup_queues``, ``_help_stuff_finish``); they are checked
-here too, and ``pool.py`` says why at each override.
+The private hooks of ``multiprocessing.pool.Pool`` that ``MemmappingPool``
+overrides are overridden here, in :class:`PoolWithHooks`, its base class.
+``tests/test_architecture.py`` fails when a private name of another library
+is used anywhere else.
 """
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing.forkserver as _mp_forkserver
 import multiprocessing.pool as _mp_pool
 import multiprocessing.queues as _mp_queues
+import re
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import joblib
 import joblib.parallel as _joblib_parallel
@@ -51,6 +58,14 @@ class Check:
 
 def _has(owner: Any, attribute: str) -> bool:
     return hasattr(owner, attribute)
+
+
+def _takes_parameter(function: Any, name: str) -> bool:
+    return name in inspect.signature(function).parameters
+
+
+def _exit_codes_in(text: str) -> List[int]:
+    return [int(code) for code in re.findall(r"\((-?\d+)\)", text)]
 
 
 def _uses_attribute(cls: type, attribute: str) -> bool:
@@ -84,6 +99,28 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: _has(_joblib_parallel, "_backend") and isinstance(_joblib_parallel.default_parallel_config, dict),
     ),
     (
+        "joblib AutoBatchingMixin._effective_batch_size",
+        "a batch that would dump too much is made smaller, and joblib then measures batches of that size",
+        lambda: _uses_attribute(_joblib_parallel.AutoBatchingMixin, "_effective_batch_size"),
+    ),
+    (
+        "joblib ParallelBackendBase._prepare_worker_env",
+        "memshare's workers get the thread limits joblib gives its own (inner_max_num_threads)",
+        lambda: _has(_joblib_parallel.ParallelBackendBase, "_prepare_worker_env"),
+    ),
+    (
+        "loky TerminatedWorkerError's message: the exit codes as get_exitcodes_terminated_worker writes them",
+        "a call whose worker died names the signal that killed it (loky gives the exit codes in no other way)",
+        lambda: (
+            _exit_codes_in(
+                _loky_process_executor.get_exitcodes_terminated_worker(
+                    {1: SimpleNamespace(exitcode=-11), 2: SimpleNamespace(exitcode=1)}
+                )
+            )
+            == [-11, 1]
+        ),
+    ),
+    (
         "loky process_executor._MAX_MEMORY_LEAK_SIZE",
         "workers lift loky's 300 MB leak limit, which the shared pages they map would trip",
         lambda: _has(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"),
@@ -103,9 +140,20 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         ),
     ),
     (
-        "multiprocessing Pool._cache / _processes",
-        "a dead worker fails the pool's pending results; map picks a chunk size from the pool's size",
-        lambda: _uses_attribute(_mp_pool.Pool, "_cache") and _uses_attribute(_mp_pool.Pool, "_processes"),
+        "multiprocessing Pool._cache / _pool / _processes",
+        "a dead worker fails the pool's pending results once the pool reaped it; map picks a chunk size "
+        "from the pool's size",
+        lambda: all(_uses_attribute(_mp_pool.Pool, name) for name in ("_cache", "_pool", "_processes")),
+    ),
+    (
+        "multiprocessing Pool.Process, read from the instance",
+        "the pool records each worker it starts, without its threads holding the pool",
+        lambda: _uses_attribute(_mp_pool.Pool, "Process"),
+    ),
+    (
+        "multiprocessing Pool.__del__(_warn) / _state",
+        "an unclosed pool warns once, naming MemmappingPool, and does the rest of what Pool.__del__ does",
+        lambda: _takes_parameter(_mp_pool.Pool.__del__, "_warn") and _uses_attribute(_mp_pool.Pool, "_state"),
     ),
     (
         "multiprocessing ApplyResult._set / IMapIterator._index / _set_length",
@@ -208,7 +256,37 @@ def parallel_config_options() -> Dict[str, Any]:
     return {key: value for key, value in config.items() if value is not defaults.get(key)}
 
 
+def set_auto_batch_size(backend: Any, batch_size: int) -> None:
+    """Make ``batch_size`` the batch size joblib's ``AutoBatchingMixin`` takes to be in use.
+
+    The mixin records the size it returned last and learns durations only
+    from batches of that size, so a size made smaller than its choice must
+    be recorded there too (where the mixin has no such record, nothing reads it).
+    """
+    backend._effective_batch_size = batch_size
+
+
+def worker_env(backend: Any, n_jobs: int) -> Dict[str, str]:
+    """The environment joblib gives the workers of ``backend``: thread limits for ``n_jobs`` workers.
+
+    joblib computes it in a private method of its backend base class; where
+    it is missing, the workers get no limits of their own.
+    """
+    prepare = getattr(backend, "_prepare_worker_env", None)
+    return {} if prepare is None else prepare(n_jobs=n_jobs)
+
+
 # -- loky --------------------------------------------------------------------
+
+
+def terminated_worker_exit_codes(error: BaseException) -> List[int]:
+    """The exit codes of the dead workers that loky names in the message of a ``TerminatedWorkerError``.
+
+    loky puts them in the message only, as ``get_exitcodes_terminated_worker``
+    formats them (``{SIGSEGV(-11), EXIT(1)}``); CHECKS verifies that this
+    format still reads back.
+    """
+    return _exit_codes_in(str(error))
 
 
 def set_loky_leak_limit(nbytes: int) -> None:
@@ -290,12 +368,35 @@ def gil_enabled() -> bool:
     return True if is_gil_enabled is None else bool(is_gil_enabled())
 
 
+# -- pandas --------------------------------------------------------------------
+
+
+def pandas_array_state(array: Any) -> Dict[str, Any]:
+    """The state pandas pickles an Arrow-backed array with, minus the copy: its ``__dict__``, cached properties emptied.
+
+    pandas' ``__getstate__`` also combines the column's chunks into a new
+    Arrow array, which is what memshare avoids; its cached properties live in
+    ``_cache``, which it empties (they are recomputed). pandas is optional and
+    is not imported to check this at import: ``tests/test_compat.py`` compares
+    this state with pandas' own where pandas is installed.
+    """
+    state = dict(array.__dict__)
+    if "_cache" in state:
+        state["_cache"] = {}
+    return state
+
+
 # -- multiprocessing -----------------------------------------------------------
 
 
-def pending_pool_results(pool: _mp_pool.Pool) -> list:
-    """The result objects of ``pool`` that have not completed."""
-    return list(getattr(pool, "_cache", {}).values())
+def pool_workers(pool: _mp_pool.Pool) -> list:
+    """The live list of ``pool``'s worker processes: the pool's thread adds and drops them in place."""
+    return getattr(pool, "_pool", [])
+
+
+def pending_results(pool: _mp_pool.Pool) -> Mapping:
+    """The live table of ``pool``'s results that have not completed (its values are the result objects)."""
+    return getattr(pool, "_cache", {})
 
 
 def pool_size(pool: _mp_pool.Pool) -> int:
@@ -321,6 +422,63 @@ def fail_pool_result(result: Any, error: BaseException) -> None:
             result._set(0, (False, error))
     except (KeyError, IndexError, TypeError, AttributeError):
         pass  # finished concurrently, or a Python without these names
+
+
+def _same(message: Any) -> Any:
+    return message
+
+
+def _no_warning(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+class PoolWithHooks(_mp_pool.Pool):
+    """``multiprocessing.Pool`` with the private hooks memshare overrides, offered as an argument.
+
+    Every message from the workers passes through ``message_filter``, on the
+    pool's result thread, before the standard machinery sees it. That thread
+    keeps the function as long as it runs, so the function must not hold the
+    pool. ``terminate()`` drains the task queue without waiting forever for
+    its lock. An unclosed running pool, collected, warns once, naming its class.
+    """
+
+    def __init__(self, *args: Any, message_filter: Callable[[Any], Any] = _same, **kwargs: Any) -> None:
+        self._message_filter = message_filter  # before Pool.__init__: _setup_queues reads it
+        super().__init__(*args, **kwargs)
+
+    def _setup_queues(self) -> None:
+        # Pool reads _quick_get right after this call, to hand it to its result thread.
+        super()._setup_queues()
+        receive, restore = self._quick_get, self._message_filter
+
+        def receive_and_restore() -> Any:
+            return restore(receive())
+
+        self._quick_get = receive_and_restore
+
+    @staticmethod
+    def _help_stuff_finish(inqueue: Any, task_handler: threading.Thread, size: int) -> None:
+        # Pool.terminate drains the task queue under its read lock. A worker
+        # killed while waiting for a task never released that lock, and the
+        # standard pool would then hang forever here; the workers are being
+        # terminated anyway, so give up on draining after a moment.
+        drain_task_queue(inqueue, task_handler, lock_timeout=1.0)
+
+    def __del__(self) -> None:
+        # Pool.__del__ reads attributes that do not exist when __init__
+        # rejected its arguments before the pool was set up.
+        if "_state" not in vars(self):
+            return
+        if self._state == _mp_pool.RUN:
+            message = f"unclosed running {type(self).__name__} {self!r}"
+            warnings.warn(message, ResourceWarning, stacklevel=1, source=self)
+        if _POOL_DEL_TAKES_WARN:
+            super().__del__(_warn=_no_warning)  # the rest of what it does: wake the pool's worker thread
+        else:
+            super().__del__()
+
+
+_POOL_DEL_TAKES_WARN = _takes_parameter(_mp_pool.Pool.__del__, "_warn")
 
 
 def drain_task_queue(inqueue: Any, task_handler: threading.Thread, lock_timeout: float = 1.0) -> None:
@@ -351,15 +509,25 @@ def reinit_lock(lock: Any) -> None:
 __all__ = [
     "CHECKS",
     "Check",
+    "PoolWithHooks",
     "drain_task_queue",
     "drop_ready_batches",
     "fail_pool_result",
-    "gil_enabled",
     "failed_checks",
+    "gil_enabled",
     "iterator_exhausted",
     "made_by_default_allocator",
-    "pending_pool_results",
+    "make_loky_tracker_reentrant",
+    "pandas_array_state",
+    "parallel_config_options",
+    "pending_results",
     "pool_size",
+    "pool_workers",
+    "preload_in_fork_server",
     "reinit_lock",
+    "set_auto_batch_size",
     "set_loky_leak_limit",
+    "set_memmap_owner",
+    "terminated_worker_exit_codes",
+    "worker_env",
 ]

@@ -18,7 +18,7 @@ off is off: never "on" for what a call would not do. A temp folder the user
 chose on a disk file system gets a note with its cost and the RAM choice.
 
 It also says which mechanism memshare uses (memfds or named files, and why:
-the decision of ``_folders.choose_location``), and lists the memfds of
+the decision of ``_location.choose_location``), and lists the memfds of
 memshare that processes of this user hold, by owner: they hold memory
 although no folder shows them.
 """
@@ -44,22 +44,20 @@ from ._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from ._folders import (
+from ._held_memory import unsupported_reason
+from ._location import (
     SHM_ROOT,
     Location,
-    candidate_bases,
     choose_location,
     default_base,
     fallback_base,
-    find_folders,
-    folder_size,
     free_bytes,
     mount_fstype,
     read_mountinfo,
 )
-from ._held_memory import unsupported_reason
 from ._owners import OWNER_ALIVE, OWNER_DEAD
 from ._promotion import mode_unfit_reason
+from ._sweep import candidate_bases, find_folders, folder_size
 
 GIB = 1024**3
 #: Below this, shared memory is too small for typical workloads; Docker's 64 MiB default is far below it.

@@ -9,7 +9,7 @@ standard library does for its own (``logging``, ``threading``).
 
 Resetting is safe because the child does not continue what the other thread
 was doing: the data such a lock guards is either reset too (the per-process
-state of ``_folders`` and ``_mapping``) or belongs to the parent's pools and
+state of ``_temp_folder`` and ``_mapping``) or belongs to the parent's pools and
 calls, which the child never uses.
 """
 

@@ -8,16 +8,17 @@ nothing. Descriptors passed with ``SCM_RIGHTS`` give exactly that:
   with a random name in the session's private 0700 folder, so that no other
   user can even connect to it (where no such folder can be made, an
   abstract-namespace socket instead: see below);
-* a worker connects (:func:`connect`) before it puts its first result in a
-  memfd, without waiting: if the inbox cannot be reached at once (gone,
-  its queue full), the task's results are named files instead. Once its
-  results are written and before it returns its outcome, it sends their
-  descriptors with their (device, inode) in small batches (:func:`send_on`),
-  closing its own as it goes; a send that cannot finish within a bound
-  leaves the rest to named files. A descriptor in flight belongs to the
-  kernel, then to the parent's socket: if the parent dies, or closes the
-  inbox unread, the kernel frees it. Because the descriptors are sent
-  first, they are queued by the time the outcome arrives;
+* a worker's task (``_handoff_worker``) connects (:func:`connect`) before
+  it puts its first result in a memfd, without waiting: if the inbox cannot
+  be reached at once (gone, its queue full), the task's results are named
+  files instead. Once its results are written and before it returns its
+  outcome, it sends their descriptors with their (device, inode) in small
+  batches (:func:`send_on`), closing its own as it goes; a send that cannot
+  finish within a bound leaves the rest to named files. A descriptor in
+  flight belongs to the kernel, then to the parent's socket: if the parent
+  dies, or closes the inbox unread, the kernel frees it. Because the
+  descriptors are sent first, they are queued by the time the outcome
+  arrives;
 * the parent, restoring the outcome, takes each result's descriptor by its
   (device, inode) (:meth:`Inbox.take`), reading whatever is queued without
   ever waiting, maps it and closes it. Descriptors are counted per outcome:

@@ -1,44 +1,12 @@
 """Nameless shared memory: ``memfd_create`` files, held by descriptors, reached through ``/proc``.
 
-On Linux, memshare's files are memfds by default: memory that needs neither
-room in a mounted file system (Docker's 64 MB ``/dev/shm``, a read-only
-``/tmp``) nor a name, and that the kernel frees when the last descriptor and
-mapping go. Nothing can leak: when every process of a run is killed at once
-(a container's OOM kill, ``kill -9`` of the process group), their memory goes
-with them, with no watchdog.
-
-The owner keeps each memfd open for as long as the file lives; this module
-is the registry of those descriptors (:func:`create`, :func:`release`).
-"Deleting" such a file is closing its descriptor. Another process of the same
-user opens it through ``/proc/<owner pid>/fd/<n>``: a plain ``open()`` that
-needs ptrace read access, which same-user processes have (Yama restricts
-only attaching). That path is what an ``ArrayRef`` carries. It is a magic
-link, so ``O_NOFOLLOW`` cannot be used on it: whoever opens one checks the
-file's identity (device, inode) afterwards, and that its link names a
-memshare memfd of the right kind (:func:`kind_of`), whose name shows as
-``/memfd:memshare-<kind>-<random> (deleted)``.
-
-Whether this works is probed once per process (:func:`decision`), never
-guessed: ``/proc`` may be hidden, ``memfd_create`` missing, or another
-process refused the open (a tiny child process tries it: about 10 ms). Then
-memshare uses named files, as it always did. memshare's workers are its own
-children, of the same user; workers running as another user could not open
-the ``/proc`` path, which the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is
-for that case.
-
-Descriptors: a live memfd costs its owner one descriptor (mappings keep
-none: ``_mapping.map_descriptor``). What memshare keeps open is held to a
-budget (:func:`budget`): ``BUDGET_SHARE`` of the process's soft
-``RLIMIT_NOFILE``, the rest being the user's program's. When the memfds held
-reach it, the soft limit is raised towards the hard limit, once per process
-(logged); past the budget after that, :func:`create` refuses with EMFILE and
-the caller makes a named file in its private folder instead, which needs no
-open descriptor (logged once, with the reason). A process out of descriptors
-(EMFILE) gets a named file the same way.
-
-A forked child closes the descriptors it inherited: it owns none of these
-files, and its copies would keep the parent's memory alive for as long as
-the child lives.
+This module is the registry of the memfds a process owns (:func:`create`,
+:func:`release`): the owner holds each open for as long as the file lives,
+and deleting the file is closing that descriptor. Another process of the same
+user opens it through its path ``/proc/<owner pid>/fd/<n>``. Whether memfds
+work here is probed once per process (:func:`decision`), never guessed; the
+descriptors kept open stay within a budget (:func:`budget`); a forked child
+closes the ones it inherited.
 """
 
 from __future__ import annotations
@@ -64,9 +32,12 @@ except ImportError:  # not on Windows
 #: Environment variable that turns memfds off ("0"), keeping named files.
 ENV_MEMFD = "MEMSHARE_MEMFD"
 NAME_PREFIX = "memshare-"
+#: What the ``/proc`` link of a memshare memfd names: ``/memfd:memshare-<kind>-<random> (deleted)``.
 _LINK_PATTERN = re.compile(r"^/memfd:memshare-([a-z]+)-[0-9a-f]{16} \(deleted\)$")
 _PROC_FD_PATTERN = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
-#: Share of the soft RLIMIT_NOFILE that the descriptors memshare keeps open may take.
+#: Share of the soft RLIMIT_NOFILE that the descriptors memshare keeps open may take; the rest is
+#: the user's program's. A live memfd costs its owner one descriptor (mappings keep none:
+#: ``_mapping.map_descriptor``); past the budget a named file, which needs none, is made instead.
 BUDGET_SHARE = 0.5
 #: Of the budget, what memfds leave to memshare's other descriptors: a session's result socket
 #: and its folder, result descriptors received and not yet mapped.
@@ -89,9 +60,11 @@ class Decision:
 class _Registry:
     """The memfds this process owns: path -> descriptor.
 
-    Per process because descriptors are; emptied in a forked child (see the
-    module docstring). The decision is kept in a child: it holds for the
-    same machine, user and mounts.
+    Per process because descriptors are. A forked child closes the
+    descriptors it inherited: it owns none of these files, and its copies
+    would keep the parent's memory alive for as long as the child lives. The
+    decision is kept in a child: it holds for the same machine, user and
+    mounts.
     """
 
     def __init__(self) -> None:
@@ -136,7 +109,16 @@ def decision() -> Decision:
 
 
 def _probe() -> Tuple[bool, str]:
-    """(works, why): try what sharing needs, end to end, once."""
+    """(works, why): try what sharing needs, end to end, once.
+
+    ``/proc`` may be hidden, ``memfd_create`` missing, or another process
+    refused the open, so a tiny child process really opens a memfd through
+    ``/proc/<pid>/fd/<n>`` (about 10 ms): a plain ``open()`` that needs
+    ptrace read access, which processes of the same user have (Yama restricts
+    only attaching). memshare's workers are its own children, of the same
+    user; workers running as another user could not open the path, which
+    the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is for that case.
+    """
     switch = os.environ.get(ENV_MEMFD, "").strip().lower()
     if switch in ("0", "no", "false", "off"):
         return False, f"{ENV_MEMFD}={switch} turns memfds off"
@@ -218,7 +200,12 @@ def _raise_soft_limit() -> None:
 
 
 def within_budget() -> bool:
-    """True when one more memfd stays within the budget (raising the soft limit once if that helps)."""
+    """True when one more memfd stays within the budget (raising the soft limit once if that helps).
+
+    When the memfds held reach the budget, the soft limit is raised towards
+    the hard one, once per process (logged); past the budget after that, the
+    answer is no, and the reason is logged once.
+    """
     with _registry.lock:
         held = len(_registry.fds)
         limit = budget()
@@ -249,9 +236,12 @@ def create(kind: str) -> Tuple[str, int]:
     """A new empty 0600 memfd of ``kind``, held by this process: (its ``/proc`` path, a descriptor for the caller).
 
     The caller closes the descriptor it gets, as for a named file; the file
-    lives until :func:`release` closes the one kept here. Raises ``OSError``
-    with EMFILE when memshare's descriptors are at their budget (see the
-    module docstring): the caller makes a named file instead.
+    lives until :func:`release` closes the one kept here. Its path is a magic
+    link, so ``O_NOFOLLOW`` cannot be used on it: whoever opens one checks the
+    file's identity (device, inode) afterwards, and that its link names a
+    memshare memfd of the right kind (:func:`kind_of`). Raises ``OSError``
+    with EMFILE when memshare's descriptors are at their budget (see
+    :func:`within_budget`): the caller makes a named file instead.
     """
     if not within_budget():
         raise OSError(errno.EMFILE, f"memshare: {held_count()} memfds held, the descriptor budget ({budget()})")

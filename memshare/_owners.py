@@ -20,11 +20,11 @@ Every folder memshare creates is named
 A disk fallback twin carries the same owner fields, a random part of its own,
 and the suffix ``-disk``.
 
-Folders named by memshare versions before the host field
-(``memshare-<pid>-<start>-<ns>-<random>``) parse with ``host`` None: such an
-owner is judged only where the caller knows the folder is on a local file
-system, which only this machine's processes write to (see
-:meth:`Owner.is_alive`); anywhere else it is kept.
+A name without the host field (``memshare-<pid>-<start>-<ns>-<random>``, as
+memshare 0.1 wrote them) parses with ``host`` None: such an owner is judged
+only where the caller knows the folder is on a local file system, which only
+this machine's processes write to (see :meth:`Owner.is_alive`); anywhere
+else it is kept.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ TWIN_SUFFIX = "-disk"
 #: Hex digits of the host identity: 40 bits keep the name short while two hosts
 #: of even a large cluster almost never share one.
 HOST_DIGITS = 10
-# The host group is optional: names from versions before it had none.
+# The host group is optional: memshare 0.1's names have none.
 _NAME_PATTERN = re.compile(
     rf"^memshare-(\d+)-(\d+)-(\d+)-(?:([0-9a-f]{{{HOST_DIGITS}}})-)?[0-9a-f]{{16}}(?:{TWIN_SUFFIX})?$"
 )
@@ -120,8 +120,7 @@ OWNER_UNKNOWN_HOST = "of an unknown host (named by an older memshare, on a file 
 class Owner:
     """The identity of the process that created a folder.
 
-    ``host`` is None for a folder named by a memshare version that did not
-    record it.
+    ``host`` is None for a folder whose name records none (memshare 0.1's names).
     """
 
     pid: int

@@ -1,4 +1,4 @@
-"""Checking ``MemmappingPool``'s arguments, which follow joblib's ``MemmappingPool``.
+"""Checking ``MemmappingPool``'s arguments, which follow joblib's ``MemmappingPool``; the default start method.
 
 joblib's order is ``(processes, temp_folder, max_nbytes, mmap_mode,
 forward_reducers, backward_reducers, verbose, context_id, prewarm)``, while

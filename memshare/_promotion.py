@@ -1,56 +1,13 @@
 """Arrays held once: a large ordinary array, once sent, keeps its data in its shared file.
 
-The first time the parent sends an eligible array to workers, memshare
-writes it into a file of shared memory, as any dump, and then stops keeping
-its own copy: the whole pages inside the array's buffer become a private
-(copy-on-write) mapping of that file, at the same addresses. The array
-object does not change: same address, values and flags, it still owns its
-data. The file's pages are the memory now, held once by the parent and by
-every worker that maps them. This is *promotion*; it is done piece by piece
-(``CHUNK_BYTES``), so the extra memory at any moment is one piece.
-
-Why it stays correct:
-
-* The mapping is private. A write by the parent copies the one page it
-  touches; the file, which workers read, does not change during a call; a
-  forked child's writes stay in the child.
-* Before the array is sent again (once per call), ``/proc/self/pagemap``
-  tells which pages were written since: a page present and no longer a file
-  page (or swapped out) was copied by a write. That reads 8 bytes a page,
-  2 MB for 1 GiB, instead of the array. Those pages are written to the file
-  again and their private copies dropped, in one step that no Python code
-  can interleave with (``_held_memory``). The first and last pages, partly
-  outside the array, stay ordinary memory and are compared byte by byte.
-* The file is rewritten in place only when no task that reads it is
-  pending and no forked child still maps it privately (a child forked
-  while the array was held once reads the file for every page neither has
-  written, so a rewrite would reach into the child; looked for in
-  ``/proc/*/maps`` only after a fork); otherwise the call gets an ordinary
-  dump, as without promotion.
-* The held file goes to workers only read-only or copy-on-write, in every
-  call, whatever was held before (``Held.reference``): a worker's write
-  would reach every page the parent has not written since. A call whose
-  workers map writable (``mmap_mode='r+'``/``'w+'``) gets an ordinary dump
-  of an array held once, and leaves its file as it is.
-* When the array is freed, NumPy's ``free()`` unmaps the whole malloc chunk,
-  the file mapping with it; the weak reference callback closes and deletes
-  the file, and workers drop their mappings when they see it gone.
-
-What is promoted (everything else is dumped as before): on Linux with
-glibc's malloc and the C helper built, an array that owns its data, made by
-NumPy's default allocator, in a malloc chunk that glibc served with a
-mapping of its own; C or Fortran contiguous, so that the file has the
-memory's exact layout; sent with workers mapping read-only or copy-on-write
-(with ``mmap_mode='r+'`` a worker's write would reach the parent); and only
-when memshare chooses the location (no ``temp_folder``) and the file fits
-in shared memory. An array an earlier call held is still sent as it is by a
-call with a ``temp_folder``: it needs no new file, so none is written.
-``MEMSHARE_PROMOTE=0`` or ``promote=False`` turns it off (for an array
-already held too: that call dumps it).
-
-One race is left to the caller, as with any shared data: a NumPy operation
-that releases the GIL and writes the array from another thread at the very
-moment memshare promotes or refreshes that array.
+The first time a session sends an eligible array (:func:`unfit_reason`), its
+bytes go to a file of shared memory and the whole pages of its buffer become
+a private (copy-on-write) mapping of that file at the same addresses
+(*promotion*): the array object does not change, and its memory is held
+once, by the parent and by every worker that maps the file. The file goes to workers read-only
+or copy-on-write only, is brought up to date in place (changed pages only)
+once per call, and is deleted when the array is freed. :class:`SessionHolds`
+is one session's side of it: each array is looked at once per call.
 """
 
 from __future__ import annotations
@@ -67,10 +24,13 @@ import numpy as np
 from . import _forksafe, _held_memory
 from ._compat import made_by_default_allocator
 from ._dumping import CHUNK_BYTES
-from ._folders import SHM_ROOT, Location, TempFolder, choose_location, delete_file, free_bytes, reserve
+from ._folders import delete_file, reserve
 from ._identity import IdentityTable
+from ._location import SHM_ROOT, Location, choose_location, free_bytes
 from ._memfd import duplicate, held_count, is_memfd_path, within_budget
 from ._refs import HELD, ArrayRef, data_address
+from ._stats import HELD_ONCE, NOT_HELD_ONCE, CallStats, log_decision
+from ._temp_folder import TempFolder
 
 PAGE = _held_memory.PAGE
 #: Smallest array worth a file and two extra mappings of its own.
@@ -83,7 +43,12 @@ SAFE_MODES = ("r", "c")
 
 @dataclass
 class Held:
-    """One array held once: its file, and which part of its memory maps the file."""
+    """One array held once: its file, and which part of its memory maps the file.
+
+    The mapping is private: a write by the parent copies the one page it
+    touches, so the file, which workers read, does not change during a call,
+    and a forked child's writes stay in the child.
+    """
 
     ref: ArrayRef  # the whole array in its file, mapped read-only by workers
     address: int
@@ -124,9 +89,19 @@ class Held:
     def refresh(self, array: np.ndarray) -> Optional[int]:
         """Bring the file up to date with ``array``; the bytes rewritten, or None when it cannot be done in place.
 
+        ``/proc/self/pagemap`` tells which pages were written since: a page
+        present and no longer a file page (or swapped out) was copied by a
+        write. That reads 8 bytes a page (2 MB for 1 GiB) instead of the
+        array. Those pages are written to the file again and their private
+        copies dropped in one step no Python code can interleave with
+        (``_held_memory``); the first and last pages, partly outside the
+        array, are ordinary memory and compared byte by byte.
+
         None means: the array's memory moved or shrank, or it changed while a
-        task may still read the file, or after a fork, or its pages' flags
-        could not be read.
+        task may still read the file, or after a fork (a child forked while
+        the array was held reads the file for every page neither has written,
+        so a rewrite would reach into it), or its pages' flags could not be
+        read. The caller then dumps the array.
         """
         if not self.describes(array):
             return None
@@ -195,6 +170,9 @@ class Held:
     def close(self) -> None:
         """The array is gone: free the file (workers drop their mappings when they see it gone).
 
+        NumPy's ``free()`` unmapped the whole malloc chunk, the file mapping
+        with it, before this weak reference callback runs.
+
         A forked child inherits the array's weak reference callback too; only
         the process that promoted the array frees its file.
         """
@@ -218,7 +196,17 @@ def mode_unfit_reason(worker_mode: str) -> Optional[str]:
 
 
 def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]) -> Optional[str]:
-    """Why ``array`` cannot be held once, or None when it can (see the module docstring)."""
+    """Why ``array`` cannot be held once, or None when it can.
+
+    Held once: on Linux with glibc's malloc and the C helper built, an array
+    that owns its data, made by NumPy's default allocator, in a malloc chunk
+    that glibc served with a mapping of its own; C or Fortran contiguous, so
+    that the file has the memory's exact layout; sent with workers mapping
+    read-only or copy-on-write; only where memshare chooses the location (no
+    ``temp_folder``) and the file fits in shared memory or the memfd budget.
+    An array held by an earlier call is sent as it is whatever the call's
+    ``temp_folder``: it needs no new file (see :class:`SessionHolds`).
+    """
     unsupported = _held_memory.unsupported_reason()
     if unsupported is not None:
         return unsupported
@@ -298,7 +286,11 @@ class _Registry:
 
         Raises ``OSError`` when shared memory has no room. The array's values
         are right whatever happens: a piece is remapped only once its bytes
-        are in the file.
+        are in the file, piece by piece (``CHUNK_BYTES``), so the extra
+        memory at any moment is one piece. One race is left to the caller,
+        as with any shared data: a NumPy operation that releases the GIL and
+        writes the array from another thread while it is promoted or
+        refreshed.
         """
         started = time.perf_counter()
         with self.lock:
@@ -395,3 +387,70 @@ def promote(array: np.ndarray) -> Tuple[Held, float]:
 def forget(array: np.ndarray) -> None:
     """Stop holding ``array`` once; its file goes."""
     _registry.forget(array)
+
+
+class SessionHolds:
+    """One session's arrays held once: each array is promoted or refreshed once per generation, not once per task.
+
+    Remembers, per array, the generation in which its file was last brought
+    up to date and the one in which it was last refused (the reason logged
+    then, once per call). Not thread-safe on its own: the session calls it
+    with its lock held.
+    """
+
+    def __init__(self, stats: CallStats) -> None:
+        self._stats = stats
+        self._refreshed: IdentityTable[int] = IdentityTable()
+        self._refused: IdentityTable[int] = IdentityTable()
+
+    def hold(self, array: np.ndarray, generation: int, worker_mode: str, temp_folder: Optional[str]) -> Optional[Held]:
+        """The record of ``array``, held once and current for ``generation``, acquired for one task; None: dump it.
+
+        An array is promoted the first time, brought up to date once per
+        generation after that, and refused (dumped) when it cannot be held
+        once or brought up to date in place. One held by an earlier call is
+        used whatever ``temp_folder``: it needs no new file, so nothing is
+        written anywhere. ``worker_mode`` must be one of ``SAFE_MODES``.
+        """
+        if self._refused.get(array) == generation:
+            return None
+        held = lookup(array)
+        if held is None:
+            reason = unfit_reason(array, worker_mode, temp_folder)
+            if reason is None:
+                try:
+                    held, seconds = promote(array)
+                except OSError as exc:
+                    reason = f"{exc.strerror or exc}"
+            if held is None:
+                self.refuse(array, generation, reason)
+                return None
+            self._stats.add(arrays_held_once=1, bytes_held_once=array.nbytes, dump_seconds=seconds)
+            log_decision(HELD_ONCE, array, held.ref.path, seconds)
+            self._refreshed.add(array, generation)
+        elif self._refreshed.get(array) != generation:
+            rewritten = held.refresh(array)
+            if rewritten is None:
+                if not held.describes(array):
+                    forget(array)  # its memory moved (ndarray.resize): a plain array again
+                self.refuse(
+                    array,
+                    generation,
+                    "its file cannot be brought up to date in place "
+                    "(a task still reads it, or a forked child still shares its pages)",
+                )
+                return None
+            self._stats.add(bytes_refreshed=rewritten)
+            self._refreshed.add(array, generation)
+        held.acquire()
+        return held
+
+    def refuse(self, array: np.ndarray, generation: int, reason: str) -> None:
+        """``array`` is dumped, not held once, in ``generation`` because of ``reason`` (logged once per generation)."""
+        if self._refused.get(array) != generation:
+            self._refused.add(array, generation)
+            log_decision(NOT_HELD_ONCE, array, f"dumped instead: {reason}")
+
+    def clear(self) -> None:
+        self._refreshed.clear()
+        self._refused.clear()

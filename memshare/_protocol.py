@@ -2,24 +2,40 @@
 
 Transports (the pool, the loky backend) only ever send a :class:`Task` to a
 worker and receive an :class:`Outcome` back; the worker side is ``_worker``,
-the parent side ``_session``. Both messages are small: large arrays inside
-their streams are file references. A failure in the task travels back as a
-:class:`Failure` inside a non-``ok`` outcome, so that the parent can release
-the task's files and re-raise the original exception with the worker's
-traceback (:func:`restore`).
+the parent side ``_session`` (restoring an outcome: ``_adopt``). Both
+messages are small: large arrays inside their streams are file references.
+A failure in the task travels back as a :class:`Failure` inside a non-``ok``
+outcome. This module is the bottom of the transport: it imports none of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ._errors import RemoteTraceback
 from ._folders import FolderPair
-from ._reducers import Receive, ResultSpec, Slot, unpack
 from ._refs import RESULT, ArrayRef
+
+#: Where a result slot's array is: a file (a result file to adopt, or the
+#: user's own mapping to view), or the array itself when no file had room.
+Slot = Union[ArrayRef, np.ndarray]
+
+#: In the parent: the descriptor a worker passed for the memfd of (device, inode), or None (see ``_handoff``).
+Receive = Callable[[Tuple[int, int]], Optional[int]]
+
+
+@dataclass(frozen=True)
+class ResultSpec:
+    """What a worker needs to send results back: where, and above which size."""
+
+    folder: FolderPair
+    max_nbytes: Optional[int]
+    #: The address of the parent's inbox for result memfds (``_handoff``), and the parent's pid;
+    #: None: results are named files.
+    inbox: Optional[str] = None
+    owner: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,22 +80,4 @@ class Failure:
     traceback: str
 
 
-def restore(
-    outcome: Outcome, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None
-) -> Tuple[bool, Any]:
-    """In the parent: (True, value) or (False, exception with remote traceback).
-
-    ``receive`` gives the descriptors of result memfds the worker passed
-    (see ``_handoff``), by (device, inode); result files are adopted only
-    from ``folder``, the session's folder pair (see ``_reducers.adopt_result``).
-    """
-    try:
-        value = unpack(outcome.stream, outcome.slots, receive, folder)
-    except BaseException as exc:
-        return False, exc
-    if outcome.ok:
-        return True, value
-    exc = value.exception
-    if exc.__cause__ is None:
-        exc.__cause__ = RemoteTraceback(value.traceback)
-    return False, exc
+__all__ = ["Failure", "Outcome", "Receive", "ResultSpec", "Slot", "Task"]

@@ -24,7 +24,7 @@ from . import _memfd
 from ._owners import parse_folder_name
 
 #: What the file behind a reference is, which decides its lifetime and how
-#: results that view it come back (see ``_reducers``).
+#: results that view it come back (see ``_result_policy`` and ``_adopt``).
 DUMP = "dump"  # written by memshare for one pool or call; temporary
 RESULT = "result"  # written by a worker for a result; the parent adopts it
 SHARED = "shared"  # a memshare.empty()/share() array owned by the user's process

@@ -21,21 +21,26 @@ the result is sent by value instead, as joblib sends every result: a copy
 in the worker's memory, made of the pieces already written (read back) and
 the rest of the array. The returned reference (or copy) says where the
 result ended up, which is what the outcome's slot table tells the parent.
+
+A task keeps its arrays waiting in :class:`PendingResults` and every file it
+made in :class:`MadeFiles`, which deletes them all if the outcome cannot be
+sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Union
+from typing import List, MutableSequence, Optional, Tuple, Union
 
 import numpy as np
 
+from . import _memfd
 from ._dumping import file_order, file_reference, iter_pieces, write_range
 from ._errors import SharedMemoryFullError
 from ._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, open_for_writing, reserve
 from ._refs import RESULT, ArrayRef, file_identity
-from ._release import release_pages
+from ._release import can_release, release_pages
 
 _COPY_BYTES = 8 * 1024**2  # block size when copying a moved result's written part
 
@@ -145,4 +150,69 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
     return new_fd, dataclasses.replace(ref, path=path, device=device, inode=inode)
 
 
-__all__ = ["create_result_file", "fill_result_file"]
+class MadeFiles:
+    """The files one task made for its results, each deleted if its outcome cannot be sent."""
+
+    def __init__(self) -> None:
+        self._paths: List[str] = []
+
+    def add(self, path: str) -> None:
+        self._paths.append(path)
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._paths
+
+    def delete(self, path: str) -> None:
+        """Delete the file at ``path`` (one of these) and forget it."""
+        delete_file(path)
+        self._paths.remove(path)
+
+    def delete_all(self) -> None:
+        for path in self._paths:
+            delete_file(path)
+        self._paths.clear()
+
+
+class PendingResults:
+    """The large arrays of one return value, each with its empty result file, written once the value is dropped.
+
+    ``folder`` is the task's folder pair; a file that must move (see the
+    module docstring) stays a memfd if it was one, else a named file.
+    """
+
+    def __init__(self, folder: FolderPair, made: MadeFiles) -> None:
+        self._folder = folder
+        self._named = dataclasses.replace(folder, in_memory=False)
+        self._made = made
+        # (slot, reference, one-item list holding the array): the list is the only
+        # reference memshare keeps, which _release.can_release relies on.
+        self._pending: List[Tuple[int, ArrayRef, List[np.ndarray]]] = []
+
+    def add(self, slot: int, ref: ArrayRef, array: np.ndarray) -> None:
+        """Write ``array`` into the file of ``ref`` (made by :func:`create_result_file`) for ``slot``, later."""
+        self._pending.append((slot, ref, [array]))
+
+    def write(self, slots: MutableSequence[Union[None, ArrayRef, np.ndarray]]) -> None:
+        """Write every array, in the order they were added, and put where each ended up in ``slots``.
+
+        Call it once every other reference the worker held to the return
+        value is gone. Each array is let go of as soon as it is written, so
+        the next one is written with it already freed.
+        """
+        pending, self._pending = self._pending, []
+        pending.reverse()  # pop() from the end, in the order they were added
+        while pending:
+            slot, ref, box = pending.pop()
+            release = can_release(box)  # before box[0] is read again: that read is one more reference
+            folder = self._folder if _memfd.is_memfd_path(ref.path) else self._named
+            final = fill_result_file(folder, ref, box[0], release)
+            box.clear()
+            if isinstance(final, ArrayRef) and final.path != ref.path:
+                self._made.add(final.path)  # it moved to a new file
+            slots[slot] = final
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+__all__ = ["MadeFiles", "PendingResults", "create_result_file", "fill_result_file"]

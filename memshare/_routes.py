@@ -1,55 +1,11 @@
 """The one decision: how an array travels, given the array and what the sender already holds.
 
-Every array met while pickling a task's arguments (in the parent) or its
-return value (in a worker) is asked one question: how does it travel? The
-answer is a :class:`Route`, computed here by pure functions that read the
-array and a read-only view of what the sender holds, and change nothing.
-Carrying a route out (writing a dump, linking a file, counting) is the
-sender's job: ``_session`` for arguments, ``_reducers.ResultPolicy`` for
-results.
-
-Arguments (:func:`input_route`):
-
-``PICKLE``
-    In the stream, by value: small arrays, object dtypes, empty arrays.
-``REFERENCE``
-    The file the array already lives in: a view of the user's ``np.memmap``
-    or ``mmap``, a shared array (``memshare.empty``...), or a dump of
-    another session. Whatever its size: no copy is ever made.
-``DUMP``
-    A large array in ordinary memory: written once to a dump file of the
-    session (deduplicated by identity), with the mode workers map it with
-    when it is not the session's (a copy-on-write memmap's copy). A
-    copy-on-write memmap whose pages are all still its file's (the sender
-    says so) is a ``REFERENCE`` to its file instead, mapped copy-on-write. The session
-    carries out the dump of an eligible array by holding it once instead
-    (``_promotion``): its memory becomes its file, for every later call too.
-``VIEW_OF_DUMP``
-    A view into one of the session's dumps: either a large view covering
-    at least half of a contiguous base, whose base is dumped (once) so that
-    every such view of it shares one file; or a view of a dump the session
-    already holds, met again (a nested call's argument).
-
-Out-of-band buffers (:func:`buffer_route`), both ways: a ``PickleBuffer``
-that pickle protocol 5 offers (pyarrow's buffers, Arrow-backed pandas
-columns, any object that pickles out of band) is ``OUT_OF_BAND`` when large
-(written once to a file, rebuilt over a mapping of it) and ``PICKLE`` when
-small or not contiguous (in the stream, as before). NumPy arrays never get
-here large: their own route comes first.
-
-Results (:func:`result_route`):
-
-``REFERENCE``
-    A view of the user's own file mapping, or of a shared array of another
-    process: the parent maps the same memory.
-``HAND_OVER``
-    A shared array this worker allocated: its file gets a second name the
-    parent adopts, with no copy.
-``RESULT_FILE``
-    A large array in ordinary memory, or a view of a temporary dump (which
-    is deleted when the call ends): written to a new result file.
-``BY_VALUE``
-    Small arrays, object dtypes, empty arrays: in the stream.
+Pure functions: each reads the array, the call's settings and a read-only
+view of what the sender holds, changes nothing, and returns a :class:`Route`.
+Carrying a route out (writing a dump, holding an array once, writing a
+result file) is the sender's job: the session for arguments, the worker's
+``ResultPolicy`` for results; it may still fall back when the state of the
+world at that moment (room, descriptors, a failed link) says no.
 """
 
 from __future__ import annotations
@@ -60,16 +16,37 @@ from typing import Callable, Container, Optional
 
 import numpy as np
 
+from ._promotion import mode_unfit_reason
 from ._refs import DUMP, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
 
+# Arguments (input_route):
+#: In the stream, by value: small arrays, object dtypes, empty arrays.
 PICKLE = "pickle"
+#: The file the array already lives in, whatever its size: a view of the user's
+#: np.memmap or mmap, a shared array (memshare.empty...), another session's dump,
+#: a copy-on-write memmap none of whose pages was written (mapped copy-on-write).
+#: Also a result viewing the user's file or another process's shared array.
 REFERENCE = "reference"
+#: A large array in ordinary memory: written once to a dump of the session, with the
+#: mode workers map it with when it is not the session's (a copy-on-write memmap's copy);
+#: or held once instead when the route says ``hold_once`` and the carrier can.
 DUMP_ARRAY = "dump"
-VIEW_OF_DUMP = "view-of-dump"
-HAND_OVER = "hand-over"
-RESULT_FILE = "result-file"
-BY_VALUE = "by-value"
+#: A large view covering at least half of a contiguous base: the base is dumped (or held
+#: once) like DUMP_ARRAY, and the view is a reference into the base's file.
+DUMP_BASE = "dump-base"
+#: An array that maps one of the session's own current dumps: a reference to that dump,
+#: which the task keeps from being deleted while it is pending.
+OWN_DUMP = "own-dump"
+#: Out-of-band buffers (buffer_route, both ways): a large contiguous buffer, written once
+#: to a file and rebuilt over a mapping of it.
 OUT_OF_BAND = "out-of-band"
+# Results (result_route):
+#: A shared array this worker allocated: its file gets a second name the parent adopts.
+HAND_OVER = "hand-over"
+#: A large array in ordinary memory, or a view of a dump (deleted when the call ends).
+RESULT_FILE = "result-file"
+#: Small arrays, object dtypes, empty arrays: in the stream.
+BY_VALUE = "by-value"
 
 
 @dataclass(frozen=True)
@@ -77,26 +54,34 @@ class Route:
     """How one array travels; which fields are set depends on ``kind``."""
 
     kind: str
-    #: REFERENCE, HAND_OVER, VIEW_OF_DUMP of a held dump: the file the array already lives in.
+    #: REFERENCE, HAND_OVER, OWN_DUMP: the file the array already lives in.
     ref: Optional[ArrayRef] = None
-    #: DUMP_ARRAY: the array to write; VIEW_OF_DUMP of a base to dump: that base.
+    #: DUMP_ARRAY: the array to write; DUMP_BASE: the base to write.
     source: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
     #: DUMP_ARRAY: the mode workers map the dump with, when it is not the session's.
     mode: Optional[str] = None
+    #: DUMP_ARRAY, DUMP_BASE: hold ``source`` once rather than dump it, if the carrier can.
+    hold_once: bool = False
+    #: DUMP_ARRAY, DUMP_BASE: why the rules refuse holding ``source`` once (None: not refused, or not asked).
+    not_held_once: Optional[str] = None
 
 
 def input_route(
     array: np.ndarray,
     max_nbytes: Optional[int],
-    held_dumps: Container[str],
+    own_dumps: Container[str],
     copy_on_write_unwritten: Optional[Callable[[np.ndarray], bool]] = None,
+    promote: bool = False,
+    worker_mode: str = "r",
 ) -> Route:
     """How a task argument travels to a worker.
 
     ``max_nbytes`` is the session's threshold (None: never dump);
-    ``held_dumps`` holds the paths of the session's current dump files;
+    ``own_dumps`` holds the paths of the session's current dump files;
     ``copy_on_write_unwritten`` tells whether no page of a copy-on-write
-    memmap was written in this process (None: not known, so it is copied).
+    memmap was written in this process (None: not known, so it is copied);
+    ``promote`` and ``worker_mode`` are the session's settings for holding
+    arrays once and the mode its workers map files with.
     """
     if array.dtype.hasobject or array.nbytes == 0:
         return Route(PICKLE)
@@ -107,15 +92,31 @@ def input_route(
         if copy_on_write_unwritten(array):
             ref = find_backing(array, copy_on_write=True)
     if ref is not None:
-        if ref.kind == DUMP and ref.path in held_dumps:
-            return Route(VIEW_OF_DUMP, ref=ref)
+        if ref.kind == DUMP and ref.path in own_dumps:
+            return Route(OWN_DUMP, ref=ref)
         return Route(REFERENCE, ref=ref)
     if max_nbytes is None or array.nbytes <= max_nbytes:
         return Route(PICKLE)
     base = _dumpable_base(array)
     if base is not None:
-        return Route(VIEW_OF_DUMP, source=base)
-    return Route(DUMP_ARRAY, source=array, mode=_dump_mode(array))
+        return _dump_route(DUMP_BASE, base, None, promote, worker_mode)
+    return _dump_route(DUMP_ARRAY, array, _dump_mode(array), promote, worker_mode)
+
+
+def _dump_route(kind: str, source: np.ndarray, mode: Optional[str], promote: bool, worker_mode: str) -> Route:
+    """A route that writes ``source``: asking to hold it once when the settings and the modes allow.
+
+    Only an array dumped with the session's mode is held once (a
+    copy-on-write memmap's copy is not the array's own memory), and only
+    for workers that map read-only or copy-on-write (``mode_unfit_reason``):
+    that rule holds for every array, so its refusal is logged. Whether the
+    array itself can be held once (its memory, the location, the room) is
+    the carrier's to find out.
+    """
+    if not promote or mode is not None:
+        return Route(kind, source=source, mode=mode)
+    reason = mode_unfit_reason(worker_mode)
+    return Route(kind, source=source, mode=mode, hold_once=reason is None, not_held_once=reason)
 
 
 def _dumpable_base(array: np.ndarray) -> Optional[np.ndarray]:
@@ -193,7 +194,8 @@ def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:
     """How a result travels when it must be copied: a file when large, else in the stream.
 
     Also the way of a shared array whose hand-over failed (its file could
-    not be linked into the call's folder: another file system).
+    not be linked into the call's folder: another file system): the carrier
+    finds the failure, this function decides what comes next.
     """
     if max_nbytes is None or array.nbytes <= max_nbytes:
         return Route(BY_VALUE)

@@ -4,7 +4,8 @@ One store per process: shared arrays belong to the process that made them,
 not to any pool or call. A result that views one of them must come back as
 the parent's own memory (:func:`lookup_shared`), and a worker that returns
 one it allocated hands its file over instead of copying it. Below both the
-public constructors (``arrays``) and the pickling policies (``_reducers``).
+public constructors (``arrays``), the result policy (``_result_policy``) and
+``_adopt``.
 
 Lifetime: the file is deleted when the last array viewing it is garbage
 collected (a finalizer on the mapping), and with the rest of the process's
@@ -21,9 +22,11 @@ import numpy as np
 
 from . import _forksafe
 from ._dumping import contiguous_strides, dump_array, file_reference
-from ._folders import Location, TempFolder, choose_location, delete_file
+from ._folders import delete_file
+from ._location import Location, choose_location
 from ._mapping import map_file
 from ._refs import SHARED, ArrayRef
+from ._temp_folder import TempFolder
 
 
 class _SharedStore:

@@ -225,8 +225,9 @@ class WatchdogClient:
                 process.stdin.write(message)
                 process.stdin.flush()
             except (BrokenPipeError, OSError, ValueError):
-                # The watchdog died: start a new one next time, re-registering is
-                # the caller's job only for new folders; old ones fall to sweeping.
+                # The watchdog died: the next registration starts a new one, which
+                # knows only the folders registered from then on; should the owner
+                # be killed, the others are left to the sweep of dead owners' folders.
                 self._process = None
 
     def close(self) -> None:

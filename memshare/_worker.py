@@ -21,8 +21,9 @@ from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
-from ._reducers import Reducers, ResultPolicy, by_value, pack, pack_result, unpack
+from ._reducers import Reducers, by_value, pack, pack_result, unpack
 from ._refs import USER, kind_of_path
+from ._result_policy import ResultPolicy
 
 # Reducers for return values set up by the pool that started this worker
 # (its ``backward_reducers``); one pool per worker process, so process-wide.

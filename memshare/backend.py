@@ -15,7 +15,6 @@ never restarts the workers.
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -34,7 +33,13 @@ from joblib.parallel import (
 )
 
 from . import _forksafe
-from ._compat import drop_ready_batches, make_loky_tracker_reentrant
+from ._compat import (
+    drop_ready_batches,
+    make_loky_tracker_reentrant,
+    set_auto_batch_size,
+    terminated_worker_exit_codes,
+    worker_env,
+)
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
 from ._executor import discard_executor, get_executor
@@ -164,7 +169,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         return get_executor(
             self._n_jobs,
             self._timeout,
-            self._prepare_worker_env(n_jobs=self._n_jobs),
+            worker_env(self, self._n_jobs),
             self._initializer,
             self._initargs,
         )
@@ -175,9 +180,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._dumped_per_task > 0:
             cap = max(1, int(_BATCH_DUMP_BUDGET // self._dumped_per_task))
             if batch_size > cap:
-                # The mixin's own record of the size in use: batch_completed
-                # only learns durations of batches of that size.
-                batch_size = self._effective_batch_size = cap
+                batch_size = cap
+                set_auto_batch_size(self, cap)
         return batch_size
 
     def reset_batch_stats(self) -> None:
@@ -295,14 +299,9 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
 
 
 def _explain_terminated(exc: BaseException) -> str:
-    text = str(exc)
-    codes = [int(code) for code in _exit_codes(text)]
+    codes = terminated_worker_exit_codes(exc)
     details = "; ".join(f"a worker {describe_exit(code)}" for code in sorted(set(codes))) or "a worker died"
-    return f"memshare: {details}. The call's temporary files have been removed.\n{text}"
-
-
-def _exit_codes(text: str):
-    return re.findall(r"\((-?\d+)\)", text)
+    return f"memshare: {details}. The call's temporary files have been removed.\n{exc}"
 
 
 # Before any memshare worker starts: loky 3.4's tracker could otherwise deadlock starting them (see _compat).

@@ -10,26 +10,21 @@ on the result thread before the standard machinery sees it.
 
 Two gaps of the standard pool are closed: a worker that dies abruptly (killed,
 segfault, out of memory) fails the pending results promptly and marks the
-pool broken instead of hanging forever, and workers exit by themselves when
-the parent dies.
+pool broken instead of hanging forever (``_worker_watch``), and workers exit
+by themselves when the parent dies.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
-import threading
-from multiprocessing.connection import wait
-from multiprocessing.pool import Pool
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import cloudpickle
 
-from . import _forksafe
-from ._compat import drain_task_queue, fail_pool_result, pending_pool_results, pool_size, preload_in_fork_server
+from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
 from ._config import Settings
-from ._errors import WorkerDiedError, describe_exit
 from ._feed import TaskFeed, run_or_return
 from ._owners import owner_identity
 from ._pool_args import (
@@ -48,8 +43,7 @@ from ._reducers import Reducers
 from ._session import Session
 from ._stats import enable_logging
 from ._worker import set_result_reducers, watch_parent
-
-_LOOK_AGAIN = 0.05  # seconds: wait for a recorded worker to start, or an ended one to be reaped
+from ._worker_watch import WorkerWatch
 
 
 def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
@@ -63,7 +57,7 @@ def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
         initializer(*initargs)
 
 
-class MemmappingPool(Pool):
+class MemmappingPool(PoolWithHooks):
     """A process pool whose workers receive large NumPy arrays as shared memory.
 
     The arguments are those of joblib's ``MemmappingPool``, in its order, and
@@ -108,7 +102,9 @@ class MemmappingPool(Pool):
         ``forkserver`` where it exists (see ``_pool_args.default_context``).
 
     The pool's folder is deleted by ``terminate()``, by ``close()`` then
-    ``join()``, on leaving a ``with`` block, and at interpreter exit.
+    ``join()``, on leaving a ``with`` block, and at interpreter exit; a
+    running pool collected unclosed warns (``ResourceWarning``), ends its
+    workers and deletes its folder.
     """
 
     def __init__(
@@ -145,48 +141,39 @@ class MemmappingPool(Pool):
             preload_in_fork_server("memshare")
         setup = cloudpickle.dumps((initializer, backward_reducers))
         self._session = Session(settings, forward_reducers)
-        self._feed = TaskFeed(self._session)  # before Pool.__init__: _setup_queues uses it
-        self._stopping = False
-        self._broken: Optional[BaseException] = None
-        # Every worker ever started, recorded by Process() below. The pool's own
-        # thread drops exited workers from its list at once (and starts
-        # replacements), so a worker that starts and dies between two looks at
-        # that list would go unnoticed and its task would hang forever.
-        self._started: list = []
-        self._started_lock = _forksafe.lock()
-        # Written to wake the monitor when a worker is added or the pool stops;
-        # closed by the monitor as it ends, under _started_lock.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._feed = TaskFeed(self._session)
+        # Pool starts every worker through self.Process, which its worker
+        # thread keeps: a method of the watch, not of the pool, so that the
+        # thread does not keep alive a pool nobody closes.
+        self._watch = WorkerWatch(context.get_start_method(), worker_process)
+        self.Process = self._watch.new_process
         try:
+            # Each worker's message is restored on the result thread, before
+            # the standard machinery sees it, by the feed (not the pool: that
+            # thread keeps what it is given).
             super().__init__(
-                processes, _worker_init, (owner_identity(), setup, tuple(initargs)), maxtasksperchild, context
+                processes,
+                _worker_init,
+                (owner_identity(), setup, tuple(initargs)),
+                maxtasksperchild,
+                context,
+                message_filter=self._feed.restore,
             )
         except BaseException:
             self._session.close()
-            self._close_wake_pipe()
+            self._watch.close()
             raise
-        self._monitor = threading.Thread(target=self._watch_workers, name="memshare-pool-monitor", daemon=True)
-        self._monitor.start()
-
-    def Process(self, ctx, *args, **kwds):  # noqa: N802 (Pool's name)
-        process = worker_process(ctx, *args, **kwds)
-        with self._started_lock:
-            self._started.append(process)
-        self._wake()
-        return process
-
-    def __del__(self) -> None:
-        # Pool.__del__ reads attributes that do not exist when __init__
-        # rejected its arguments before the pool was set up.
-        if "_state" in self.__dict__:
-            super().__del__()
+        self._watch.start(pool_workers(self), pending_results(self))
+        # A pool collected unclosed stops its watch (Pool's own finalizer ends
+        # the workers); at exit the watch's daemon thread just ends.
+        self._close_watch = weakref.finalize(self, self._watch.close)
+        self._close_watch.atexit = False
 
     # -- task submission ---------------------------------------------------------
 
     def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise self._broken
+        if self._watch.broken is not None:
+            raise self._watch.broken
 
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (Pool's signature)
         self._check_usable()
@@ -257,158 +244,29 @@ class MemmappingPool(Pool):
         chunks, extra = divmod(length, 4 * pool_size(self))
         return max(1, chunks + bool(extra))
 
-    # -- results -----------------------------------------------------------------
-
-    def _setup_queues(self) -> None:
-        # A private hook of Pool (checked in _compat): the one place where every
-        # message from the workers passes, in the result thread.
-        super()._setup_queues()
-        receive = self._quick_get  # read by Pool.__init__ right after this call
-        restore = self._feed.restore
-
-        def receive_and_restore():
-            return restore(receive())
-
-        self._quick_get = receive_and_restore
-
     # -- lifetime ----------------------------------------------------------------
 
     def close(self) -> None:
-        self._stop_monitor()
+        self._watch.stop()
         super().close()
 
     def terminate(self) -> None:
-        self._stop_monitor()
+        self._watch.stop()  # before the workers are ended: their exits are no failure
         try:
             super().terminate()
         finally:
             self._session.close()
-            self._join_monitor()
+            self._close_watch()
 
     def join(self) -> None:
         super().join()
         self._session.close()
-        self._join_monitor()
-
-    def _stop_monitor(self) -> None:
-        self._stopping = True
-        self._wake()
-
-    def _join_monitor(self) -> None:
-        # No memshare thread outlives the pool: a later fork (another pool
-        # with the fork context) then copies no lock a thread of ours holds.
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(timeout=5)
-
-    @staticmethod
-    def _help_stuff_finish(inqueue, task_handler, size):  # Pool's private hook, checked in _compat
-        # Pool.terminate drains the task queue under its read lock. A worker
-        # killed while waiting for a task never released that lock, and the
-        # standard pool would then hang forever here; the workers are being
-        # terminated anyway, so give up on draining after a moment.
-        drain_task_queue(inqueue, task_handler, lock_timeout=1.0)
+        self._close_watch()
 
     @property
     def temp_folder(self) -> str:
         """The path of this pool's folder in shared memory (created on first use)."""
         return self._session.folder.pair.primary
-
-    def _watch_workers(self) -> None:
-        """Fail pending results promptly when a worker dies abruptly.
-
-        Sleeps in ``multiprocessing.connection.wait`` on the workers' sentinels
-        (ready when a process ends) and on a pipe written when a worker is
-        added or the pool stops, as loky's executor does.
-        """
-        ended: set = set()
-        try:
-            while not self._stopping:
-                ended |= self._wait_for_a_change(ended)
-                if self._stopping:
-                    break
-                ended = self._check_exits(ended)
-        finally:
-            self._close_wake_pipe()
-
-    def _wait_for_a_change(self, ended: set) -> set:
-        """Wait until a worker ends, is added, or the pool stops; return the workers seen ending."""
-        with self._started_lock:
-            started = list(self._started)
-        waitables, look_again_soon = {self._wake_r: None}, False
-        for process in started:
-            if process in ended:
-                look_again_soon = True  # its sentinel stays ready: do not spin on it
-                continue
-            try:
-                waitables[process.sentinel] = process
-            except ValueError:  # recorded by Process() but not started yet
-                look_again_soon = True
-        ready = wait(list(waitables), timeout=_LOOK_AGAIN if look_again_soon else None)
-        if self._wake_r in ready:
-            try:
-                os.read(self._wake_r, 4096)
-            except OSError:
-                pass
-        return {waitables[key] for key in ready if waitables[key] is not None}
-
-    def _check_exits(self, ended: set) -> set:
-        """Handle the exit of each ended worker; return those whose exit code cannot be read yet."""
-        waiting = set()
-        for process in ended:
-            if process in self._pool:
-                # The pool's own thread reaps its workers, and reading the exit
-                # status at the same time could lose it (under forkserver it is
-                # read once from the sentinel): wait until it has. It then
-                # starts a replacement, whose Process() call wakes us.
-                waiting.add(process)
-                continue
-            code = process.exitcode
-            if code is None:  # ended between start() and joining the pool's list
-                waiting.add(process)
-                continue
-            with self._started_lock:
-                if process in self._started:
-                    self._started.remove(process)
-            if code == 0 or self._stopping:
-                continue  # a normal exit (maxtasksperchild, shutdown)
-            # An idle worker blocks in the task queue's read lock; killed
-            # there, it takes the lock with it and no other worker can ever
-            # receive a task. So the pool is broken, as concurrent.futures
-            # says of its own: fail everything now rather than hang.
-            hint = ""
-            if code == 1 and self._ctx.get_start_method() != "fork":
-                hint = (
-                    f" If it failed as it started (its error is above), note that under the "
-                    f"{self._ctx.get_start_method()} start method a script must create the pool under "
-                    "`if __name__ == '__main__':`, or pass context='fork'."
-                )
-            self._broken = WorkerDiedError(
-                f"memshare: worker process {process.pid} {describe_exit(code)}. Its pool cannot run "
-                f"tasks any more: terminate it and create a new one.{hint}"
-            )
-            self._fail_pending(self._broken)
-        return waiting
-
-    def _wake(self) -> None:
-        with self._started_lock:
-            if self._wake_w is None:
-                return
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass  # full: the monitor has wake-ups pending anyway
-
-    def _close_wake_pipe(self) -> None:
-        with self._started_lock:
-            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), None, None
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
-
-    def _fail_pending(self, error: BaseException) -> None:
-        for result in pending_pool_results(self):
-            fail_pool_result(result, error)
 
 
 class ChunkedMapResult:

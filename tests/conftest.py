@@ -1,4 +1,14 @@
-"""Shared fixtures: an isolated temp location per test, and leak checks."""
+"""The suite's shared fixtures and helpers, and its check that a run leaves nothing behind.
+
+At the end of the session, :func:`_nothing_left_behind` fails the run if a process the run started
+still runs outside the test process's tree (an orphan, which would outlive the run), or if /dev/shm or
+the temp dir holds a memshare folder (a name ``memshare clean`` would parse) that appeared during the
+run and whose owner is an orphan of this run or died after starting during it. Other programs'
+``memshare-*`` entries, folders from before the run and other runs' processes are never counted; a
+dead owner cannot say which run it belonged to, so a run beside another on one machine may report the
+other's leftovers. Tests that plant folders in their own tmp dir check those themselves;
+:func:`_remove_planted_folders` tidies them.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +18,66 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
-from typing import Optional
+import uuid
+from typing import Dict, List, Optional
 
 import joblib
+import numpy as np
 import pytest
+
+from memshare._owners import OWNER_DEAD, Owner, parse_folder_name, process_start_time
 
 #: The ``return_as`` values of the installed joblib ("generator_unordered" appeared in joblib 1.4).
 JOBLIB_VERSION = tuple(int(part) for part in joblib.__version__.split(".")[:2])
 RETURN_AS = ("list", "generator") + (("generator_unordered",) if JOBLIB_VERSION >= (1, 4) else ())
+
+#: The environment variables that choose where memshare puts its files, or whether it holds arrays once.
+LOCATION_VARIABLES = ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD", "MEMSHARE_PROMOTE")
+
+#: Set when pytest starts (not when a worker imports this module for a task function) and inherited by
+#: every process the run starts, since tests build child environments from ``os.environ``: how the leak
+#: check tells this run's processes from those of other runs.
+RUN_VARIABLE = "MEMSHARE_TESTS_RUN"
+#: Where the leak check looks for memshare folders left behind.
+LEAK_BASES = ("/dev/shm", tempfile.gettempdir())
+#: How long the leak check waits for what is on its way out: watchdogs of owners that just exited
+#: remove their folders (and wait up to 10 s for a dead owner's pid), orphaned workers notice their parent died.
+LEAK_GRACE = 20.0
+
+
+@pytest.fixture
+def default_location(monkeypatch):
+    """No location or holding setting from the environment that runs the tests: memshare chooses itself."""
+    for name in LOCATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def without_location_settings(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """A copy of ``env`` (default: this process's environment) without :data:`LOCATION_VARIABLES`."""
+    source = os.environ if env is None else env
+    return {name: value for name, value in source.items() if name not in LOCATION_VARIABLES}
+
+
+def total(*arrays) -> float:
+    """The sum of every element of ``arrays``: a task that reads its arguments whole."""
+    return sum(float(np.asarray(array).sum()) for array in arrays)
+
+
+def worker_pid(_=None) -> int:
+    """The pid of the process that runs it: a task that tells workers apart."""
+    return os.getpid()
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs: it exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture
@@ -105,7 +165,7 @@ def unmount(mount_point) -> None:
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 64 MB tmpfs, like Docker's default /dev/shm (root only; CI runs as root)."""
+    """A 64 MiB tmpfs, like Docker's default /dev/shm (root only; CI runs as root); unmounted afterwards."""
     mount_point = mount_small_tmpfs(tmp_path, "small-shm", "64m", "to simulate Docker's /dev/shm")
     try:
         yield mount_point
@@ -190,9 +250,7 @@ def run_with_private_mounts(
         pytest.skip("util-linux's unshare is not installed")
     commands = [f"mount -t tmpfs -o {options} tmpfs {path}" for path, options in mounts.items()]
     shell = " && ".join(commands + ['exec "$0" -c "$1"'])
-    env = dict(os.environ, TMPDIR="/tmp")
-    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD", "MEMSHARE_PROMOTE"):
-        env.pop(name, None)
+    env = dict(without_location_settings(), TMPDIR="/tmp")
     env.update(extra_env or {})
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
     if probe.returncode != 0:
@@ -213,8 +271,6 @@ def array_fit_to_hold(nbytes: int, seed: int = 0):
     freed by earlier tests); arrays that do not qualify are kept aside while another is made. Fails with the reason
     when none qualifies, so that a test depending on holding once says why it could not.
     """
-    import numpy as np
-
     from memshare import _promotion
 
     kept_aside, reason = [], None
@@ -245,3 +301,92 @@ def process_tree(root: int) -> list:
         found.append(pid)
         todo.extend(children.get(pid, []))
     return found
+
+
+def pytest_configure(config) -> None:
+    os.environ[RUN_VARIABLE] = uuid.uuid4().hex
+
+
+def _carries(pid: int, marker: bytes) -> bool:
+    """True when process ``pid`` started with ``marker`` (``NAME=value``) in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return marker in environ.read().split(b"\0")
+    except OSError:
+        return False  # gone, or not ours to read
+
+
+def _orphans(marker: bytes) -> List[int]:
+    """Running processes of this run that are not below the test process: they would outlive the run."""
+    below = set(process_tree(os.getpid()))
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) not in below and _carries(int(entry), marker) and alive(int(entry))
+    ]
+
+
+def _memshare_folders() -> Dict[str, Owner]:
+    """Every entry of :data:`LEAK_BASES` named like a memshare folder (as ``memshare clean`` parses names)."""
+    found = {}
+    for base in LEAK_BASES:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            owner = parse_folder_name(name)
+            if owner is not None:
+                found[os.path.join(base, name)] = owner
+    return found
+
+
+def _left_behind(before: set, session_start: int, orphans: List[int]) -> List[str]:
+    """Folders that appeared during the run whose owner is an orphan of this run, or died after starting during it.
+
+    A dead owner's environment can no longer be read: it counts as this run's when it started after the test
+    process did. Live owners below the test process (the test process too) remove their folders when they exit.
+    """
+    left = []
+    for path, owner in _memshare_folders().items():
+        if path in before or owner.pid == os.getpid():
+            continue
+        status = owner.status(local=True)
+        if (status == OWNER_DEAD and owner.start >= session_start) or owner.pid in orphans:
+            left.append(f"{path} (owner pid {owner.pid}: {status})")
+    return left
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind():
+    """Fail the run if it left a process or a memshare folder behind (see the module docstring); Linux only."""
+    if not os.path.isdir("/proc/self"):
+        yield
+        return
+    before = set(_memshare_folders())
+    session_start = process_start_time(os.getpid()) or 0
+    marker = f"{RUN_VARIABLE}={os.environ[RUN_VARIABLE]}".encode()
+    yield
+    orphans: List[int] = []
+    left: List[str] = []
+
+    def clean() -> bool:
+        nonlocal orphans, left
+        orphans = _orphans(marker)
+        left = _left_behind(before, session_start, orphans)
+        return not orphans and not left
+
+    if not wait_until(clean, LEAK_GRACE, interval=0.2):
+        commands = {}
+        for pid in orphans:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    commands[pid] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+            except OSError:
+                commands[pid] = "(exited)"
+        pytest.fail(
+            "the run left behind"
+            + "".join(f"\n  process {pid}: {command}" for pid, command in commands.items())
+            + "".join(f"\n  folder {entry}" for entry in left),
+            pytrace=False,
+        )

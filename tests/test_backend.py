@@ -10,7 +10,7 @@ import time
 import joblib
 import numpy as np
 import pytest
-from conftest import RETURN_AS, files_under, memshare_entries, run_script, wait_until
+from conftest import RETURN_AS, files_under, memshare_entries, run_script, total, wait_until, worker_pid
 
 import memshare
 from memshare import Parallel, delayed
@@ -22,10 +22,6 @@ class CustomError(Exception):
 
 def square(x):
     return x * x
-
-
-def total(x):
-    return float(np.asarray(x).sum())
 
 
 def kind(x):
@@ -43,10 +39,6 @@ def slow(x, seconds):
 
 def nested(n):
     return Parallel(n_jobs=2)(delayed(square)(i) for i in range(n))
-
-
-def worker_pid(_):
-    return os.getpid()
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2, -1, -2])

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from conftest import process_tree, run_script, wait_until
 
-from memshare._folders import sweep_dead_owners
 from memshare._mapping import MappingCache, array_from_ref, map_file
 from memshare._owners import Owner, new_folder_name
 from memshare._refs import find_backing
+from memshare._sweep import sweep_dead_owners
 from memshare._watchdog import loky_semaphores
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux")

@@ -7,17 +7,14 @@ machine's real /dev/shm.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from conftest import without_location_settings
 
 from memshare._owners import Owner, host_identity, new_folder_name, pid_namespace, process_start_time
 
@@ -25,9 +22,7 @@ MIB = 1024 * 1024
 
 
 def run_cli(*args: str, base=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("JOBLIB_TEMP_FOLDER", None)
-    env.pop("MEMSHARE_TEMP_FOLDER", None)
+    env = without_location_settings()
     if base is not None:
         env["MEMSHARE_TEMP_FOLDER"] = str(base)
     return subprocess.run(
@@ -130,26 +125,6 @@ def test_clean_never_removes_live_owner(base):
     assert kept and int(kept.group(1)) >= 2, result.stdout  # other live memshare users may add to the count
     elsewhere = re.search(r"kept (\d+) folder\(s\) of other pid namespaces", result.stdout)
     assert elsewhere and int(elsewhere.group(1)) >= 1, result.stdout
-
-
-@pytest.fixture
-def small_tmpfs():
-    """A 64 MiB tmpfs, like Docker's default /dev/shm; unmounted and removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    mount_point = tempfile.mkdtemp(prefix="memshare-test-shm-")
-    mounted = libc.mount(b"tmpfs", os.fsencode(mount_point), b"tmpfs", 0, b"size=64m") == 0
-    failure = ctypes.get_errno()
-    try:
-        if not mounted and failure == errno.EPERM:
-            pytest.skip("mounting a tmpfs is not permitted here (EPERM: no CAP_SYS_ADMIN in this container)")
-        assert mounted, f"mount -t tmpfs failed: {os.strerror(failure)}"
-        yield mount_point
-    finally:
-        if mounted:
-            assert libc.umount2(os.fsencode(mount_point), 0) == 0, os.strerror(ctypes.get_errno())
-        os.rmdir(mount_point)
 
 
 def test_doctor_flags_small_shm(base, small_tmpfs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import pytest
 
@@ -42,3 +43,29 @@ def test_a_lock_held_at_a_fork_is_reset_by_reinit_lock():
     lock.acquire()
     _compat.reinit_lock(lock)
     assert lock.acquire(blocking=False)
+
+
+def test_the_state_of_an_arrow_backed_array_is_pandas_own():
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    if getattr(pd.arrays, "ArrowExtensionArray", None) is None:
+        pytest.skip("this pandas has no ArrowExtensionArray: memshare pickles its arrays as pandas does")
+    array = pd.array(["a", "b", None], dtype="string[pyarrow]")
+    pandas_state, ours = array.__getstate__(), _compat.pandas_array_state(array)
+    assert set(ours) == set(pandas_state)
+    assert ours.get("_cache") == pandas_state.get("_cache")
+
+
+def test_exit_codes_are_read_from_a_terminated_worker_error_as_loky_writes_it():
+    from joblib.externals.loky.process_executor import TerminatedWorkerError, get_exitcodes_terminated_worker
+
+    dead = {1: types.SimpleNamespace(exitcode=-9), 2: types.SimpleNamespace(exitcode=None)}
+    codes = get_exitcodes_terminated_worker(dead)
+    error = TerminatedWorkerError(f"A worker died.\nThe exit codes of the workers are {codes}")
+    assert _compat.terminated_worker_exit_codes(error) == [-9]
+
+
+def test_an_unclosed_pool_that_never_started_warns_nothing(recwarn):
+    pool = _compat.PoolWithHooks.__new__(_compat.PoolWithHooks)
+    pool.__del__()  # __init__ never ran: nothing to warn about, nothing to stop
+    assert not [warning for warning in recwarn if issubclass(warning.category, ResourceWarning)]

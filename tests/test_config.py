@@ -9,7 +9,7 @@ from joblib.disk import memstr_to_bytes
 import memshare
 from memshare import delayed
 from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
-from memshare._folders import SHM_ROOT, default_base
+from memshare._location import SHM_ROOT, default_base
 from memshare._session import Session
 
 

@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries, wait_until
+from conftest import files_under, memshare_entries, total, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -37,24 +37,25 @@ PROMPTLY = 30  # seconds: anything slower is a hang
 # -- tasks (module level, so that workers can import them) --------------------
 
 
-def die_if_shared(x, sig, delay=0.0):
-    """Kill this worker with ``sig`` after ``delay`` s, but only if ``x`` really came as a shared file.
+def die_if_shared(x, sig, cue=None):
+    """Kill this worker with ``sig``, but only if ``x`` really came as a shared file.
 
     Otherwise return a marker, so a test whose array was not dumped fails
-    instead of passing without ever having had files to clean.
+    instead of passing without ever having had files to clean. With a folder
+    ``cue``, the task first says it started (a file named after its pid) and
+    waits for a file ``go`` there.
     """
     if not (isinstance(x, np.memmap) and x.filename and os.path.exists(x.filename)):
         return "not shared"
-    time.sleep(delay)
+    if cue is not None:
+        open(os.path.join(cue, str(os.getpid())), "w").close()
+        if not wait_until(lambda: os.path.exists(os.path.join(cue, "go")), PROMPTLY):
+            return "no go"
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dump to wait for
     faulthandler.disable()  # pool workers forked from pytest inherit its handler: keep the log readable
     os.kill(os.getpid(), sig)
     time.sleep(PROMPTLY)  # the signal is delivered before this returns
     return "survived"
-
-
-def total(x):
-    return float(x.sum())
 
 
 def total_and_result(x, i):
@@ -98,14 +99,22 @@ def _terminate_promptly(pool) -> None:
     assert not stopper.is_alive(), "terminate() hung after a worker died"
 
 
+def _started_and_watched(pool, cue) -> bool:
+    """True once a task started in ``cue`` and the pool's watch waits for the end of every worker that started one."""
+    started = {int(name) for name in os.listdir(cue) if name.isdigit()}
+    return bool(started) and started <= set(pool._watch.watched_pids())
+
+
 @pytest.mark.parametrize(("sig", "words"), SIGNALS)
-def test_pool_worker_killed_by_signal(shm_dir, sig, words):
-    """A worker crashes a second into its task (the pool's monitor has seen it by then)."""
+def test_pool_worker_killed_by_signal(shm_dir, tmp_path, sig, words):
+    """A worker crashes in the middle of its task, which the pool's watch saw it start."""
     data = np.ones(500_000)
     pool = MemmappingPool(2)
     try:
         started = time.monotonic()
-        result = pool.starmap_async(die_if_shared, [(data, sig, 1.0)] * 4, chunksize=1)
+        result = pool.starmap_async(die_if_shared, [(data, sig, str(tmp_path))] * 4, chunksize=1)
+        assert wait_until(lambda: _started_and_watched(pool, tmp_path), PROMPTLY), "no task started under watch"
+        (tmp_path / "go").touch()
         with pytest.raises(memshare.WorkerDiedError) as info:
             result.get(timeout=PROMPTLY)
         assert time.monotonic() - started < PROMPTLY
@@ -127,15 +136,18 @@ def first_or_die(x, i):
 
 
 @pytest.mark.parametrize("case", ["fresh-pool", "maxtasksperchild"])
-def test_pool_worker_crashing_as_soon_as_it_starts(shm_dir, monkeypatch, case):
-    # A slower poll makes the race deterministic; with the real 0.1 s interval
-    # it is lost the same way (plain scripts, no patching: 5/5 and 3/3 hangs).
-    monkeypatch.setattr("memshare.pool._MONITOR_INTERVAL", 2.0, raising=False)
+def test_pool_worker_crashing_as_soon_as_it_starts(shm_dir, case):
+    """A worker that dies as its first task starts: one of a new pool, or one replacing a retired worker.
+
+    The pool's own thread drops an exited worker from its list at once, so a
+    watch that only looked at that list could miss a worker that started and
+    died in between.
+    """
     data = np.ones(500_000)
     pool = MemmappingPool(1, maxtasksperchild=1) if case == "maxtasksperchild" else MemmappingPool(2)
     try:
         if case == "maxtasksperchild":
-            time.sleep(2.5)  # the monitor has seen the first worker
+            assert wait_until(pool._watch.watched_pids, PROMPTLY), "the watch never waited on the first worker"
             assert pool.starmap(first_or_die, [(data, 1)]) == [1]  # retires it; a new worker starts
             result = pool.starmap_async(first_or_die, [(data, 2), (data, 99)], chunksize=1)
         else:

@@ -26,8 +26,9 @@ from memshare import MemmappingPool, Parallel, _handoff, _memfd, delayed
 from memshare._config import Settings
 from memshare._executor import current_executor, discard_executor
 from memshare._folders import FolderPair, delete_file
-from memshare._reducers import ResultPolicy, ResultSpec
+from memshare._protocol import ResultSpec
 from memshare._refs import RESULT
+from memshare._result_policy import ResultPolicy
 from memshare._session import Session
 
 pytestmark = pytest.mark.skipif(
@@ -36,13 +37,6 @@ pytestmark = pytest.mark.skipif(
 
 #: A bound on waits that must never happen: a hang fails the test instead of the run.
 HANG_GUARD = 120
-
-
-@pytest.fixture
-def default_location(monkeypatch):
-    """No folder chosen by the user: memshare picks memfds itself."""
-    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def open_descriptors() -> int:
@@ -353,3 +347,33 @@ def test_results_arrive_from_workers_with_few_descriptors(default_location, limi
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# -- two views of one result, when the parent cannot take the memfd --------------------------------
+
+
+def _two_views_while_the_parent_is_busy(busy: bool):
+    """In the worker: make the parent's inbox refuse descriptors (if ``busy``), return two views of one array."""
+    import errno
+
+    from memshare import _handoff as handoff
+
+    if busy:
+
+        def refuse(*args, **kwargs):
+            raise BlockingIOError(errno.EAGAIN, "the parent cannot take descriptors now (test)")
+
+        handoff.send_on = refuse  # this worker only: its pool ends with the test
+    whole = memshare.share(np.arange(400_000, dtype=np.float64))  # both views above max_nbytes
+    return whole[10:200_000], whole[150_000:]
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["handed-over", "copied-to-a-named-file"])
+def test_two_views_of_one_returned_array_share_one_adopted_file(default_location, busy):
+    with MemmappingPool(1) as pool:
+        head, tail = pool.apply(_two_views_while_the_parent_is_busy, (busy,))
+        pool.close()
+        pool.join()
+    assert head[0] == 10.0 and head[-1] == 199_999.0 and tail[0] == 150_000.0 and tail.shape == (250_000,)
+    head[150_000 - 10] = -1.0
+    assert tail[0] == -1.0  # both views map one file in the parent, as in the worker

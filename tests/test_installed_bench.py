@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _copy_sources(destination: str) -> None:
-    """The files git tracks (plus new ones not yet committed), without build leftovers or the venv."""
-    ignore = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache")
+    """The files git tracks (plus new ones not yet committed), without build leftovers or virtual environments."""
+    ignore = shutil.ignore_patterns(".git", ".venv", ".ci-venvs", "build", "*.egg-info", "__pycache__", ".pytest_cache")
     shutil.copytree(ROOT, destination, ignore=ignore)
 
 

@@ -8,19 +8,16 @@ import warnings
 import numpy as np
 import psutil
 import pytest
-from conftest import files_under, memshare_entries, run_script, wait_until
+from conftest import alive, files_under, memshare_entries, run_script, total, wait_until
 
 import memshare
 from memshare import Parallel, SharedMemoryFullError, delayed
 from memshare._config import Settings
-from memshare._folders import FolderPair, sweep_dead_owners
+from memshare._folders import FolderPair
 from memshare._owners import Owner, new_folder_name
 from memshare._session import Session
+from memshare._sweep import sweep_dead_owners
 from memshare._worker import run_task
-
-
-def total(x):
-    return float(x.sum())
 
 
 def test_early_deletion_keeps_only_what_is_in_flight(shm_dir):
@@ -124,9 +121,9 @@ if __name__ == "__main__":
         descendants = descendant_pids()
         child.kill()
         child.wait()
-        wait_until(lambda: not memshare_entries(base) and not any(_alive(p) for p in descendants), 10, interval=0.1)
+        wait_until(lambda: not memshare_entries(base) and not any(alive(p) for p in descendants), 10, interval=0.1)
         assert memshare_entries(base) == []
-        survivors = [(p, open(f"/proc/{p}/cmdline").read()[:80]) for p in descendants if _alive(p)]
+        survivors = [(p, open(f"/proc/{p}/cmdline").read()[:80]) for p in descendants if alive(p)]
         assert not survivors, f"processes of the dead parent are still running: {survivors}"
     finally:
         if child.poll() is None:
@@ -221,21 +218,13 @@ if __name__ == "__main__":
         workers = [int(p) for p in pids_file.read_text().split()]
         child.kill()
         child.wait()
-        wait_until(lambda: not memshare_entries(base) and not any(_alive(p) for p in workers), 10, interval=0.1)
+        wait_until(lambda: not memshare_entries(base) and not any(alive(p) for p in workers), 10, interval=0.1)
         assert memshare_entries(base) == []
-        assert not any(_alive(p) for p in workers), "orphaned workers did not exit"
+        assert not any(alive(p) for p in workers), "orphaned workers did not exit"
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def mapped_memshare_files(_=None):

@@ -6,7 +6,7 @@ import re
 import signal
 
 import pytest
-from conftest import run_script, wait_until
+from conftest import run_script, wait_until, worker_pid
 from joblib.externals.loky.process_executor import BrokenProcessPool, TerminatedWorkerError
 
 import memshare
@@ -79,10 +79,6 @@ def test_worker_died_error_is_joblib_loky_terminated_worker_error():
         memshare.Parallel(n_jobs=2)(memshare.delayed(kill_self)() for _ in range(2))
 
 
-def worker_pid(_=None):
-    return os.getpid()
-
-
 def rendezvous(folder: str, parties: int = 2) -> int:
     """Wait until ``parties`` workers have arrived here; return this worker's pid.
 
@@ -134,14 +130,6 @@ def _refuses_work(executor) -> bool:
     except BrokenProcessPool:
         return True
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # Workers warmed on tiny tasks (loky measures each worker's reference RSS

@@ -10,14 +10,15 @@ import pickle
 
 import numpy as np
 import pytest
+from conftest import total
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
+from memshare._adopt import adopt_result, restore
 from memshare._config import Settings
 from memshare._folders import FolderPair
 from memshare._owners import Owner, new_folder_name
-from memshare._protocol import Outcome, restore
-from memshare._reducers import adopt_result
+from memshare._protocol import Outcome
 from memshare._refs import RESULT, ArrayRef
 from memshare._session import Session
 
@@ -39,10 +40,6 @@ def linked_memmap(tmp_path):
     np.arange(100_000, dtype=np.float64).tofile(real)
     link.symlink_to(real)
     return link, np.memmap(str(link), dtype=np.float64, mode="r+")  # a Path would be resolved by numpy
-
-
-def total(a):
-    return float(a.sum())
 
 
 def tail_of(a):

@@ -9,17 +9,28 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import Optional
 
 import numpy as np
 import pytest
-from conftest import memfds_held, memshare_entries, process_tree, run_script, run_with_private_mounts, wait_until
+from conftest import (
+    memfds_held,
+    memshare_entries,
+    process_tree,
+    run_script,
+    run_with_private_mounts,
+    wait_until,
+    without_location_settings,
+)
 
 import memshare
 from memshare import Parallel, _handoff, _memfd, delayed
 from memshare._config import Settings
-from memshare._folders import FolderPair, choose_location, delete_file
+from memshare._folders import FolderPair, delete_file
 from memshare._handoff import Inbox
+from memshare._location import choose_location
 from memshare._mapping import MappingCache, map_file
+from memshare._owners import parse_folder_name
 from memshare._refs import DUMP, SHARED, ArrayRef
 from memshare._session import Session
 from memshare._worker import run_task
@@ -29,13 +40,6 @@ MIB = 1024**2
 pytestmark = pytest.mark.skipif(
     not _memfd.decision().in_memory, reason=f"memfds are not usable here: {_memfd.decision().reason}"
 )
-
-
-@pytest.fixture
-def default_location(monkeypatch):
-    """No folder chosen by the user: memshare picks its mechanism itself."""
-    for name in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_MEMFD"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def where_is(X):
@@ -255,12 +259,18 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
     assert not [m for m in _memfd.live_memfds() if m.pid in processes]
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in processes), 10)
     for base in ("/dev/shm", tempfile.gettempdir()):
-        left = [(name, files) for name, files in memshare_entries(base) if int(name.split("-")[1]) in processes]
+        # Names parsed as ``memshare clean`` parses them: other memshare-* entries (a clone, a venv) are not ours.
+        left = [(name, files) for name, files in memshare_entries(base) if _owner_pid(name) in processes]
         # A memfd session's folder holds only its result inbox's socket (no memory, no data): with the
         # watchdog killed too, the next run's sweep of dead owners removes it. Nothing else may be left.
         assert [entry for entry in left if any(not f.startswith("inbox-") for f in entry[1] or [])] == []
         for name, _ in left:
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _owner_pid(name: str) -> Optional[int]:
+    owner = parse_folder_name(name)
+    return None if owner is None else owner.pid
 
 
 SMALL_MOUNTS_RUN = """
@@ -386,7 +396,7 @@ def test_read_only_shm_and_temp_dir_still_share_through_memory(promote, tmp_path
 
 
 def _doctor(*args, env=None):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER")}
+    full_env = without_location_settings()
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "memshare", "doctor", *args], env=full_env, capture_output=True, text=True, timeout=60

@@ -36,10 +36,8 @@ needs_holding = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _default_location(monkeypatch):
+def _default_location(default_location):
     """memshare chooses the location, so that arrays are held once (see test_promotion)."""
-    for variable in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_PROMOTE"):
-        monkeypatch.delenv(variable, raising=False)
 
 
 def fresh(extra: int = 0, seed: int = 0) -> np.ndarray:

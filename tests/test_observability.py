@@ -4,14 +4,10 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import RETURN_AS, run_script
+from conftest import RETURN_AS, run_script, total
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-
-
-def total(*arrays):
-    return sum(float(np.asarray(a).sum()) for a in arrays)
 
 
 @pytest.mark.parametrize("return_as", RETURN_AS)

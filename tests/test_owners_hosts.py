@@ -22,9 +22,10 @@ import textwrap
 
 import pytest
 
-from memshare import _cli, _folders
-from memshare._folders import is_network_fstype, mount_fstype, sweep_dead_owners
+from memshare import _cli, _location
+from memshare._location import is_network_fstype, mount_fstype
 from memshare._owners import Owner, host_identity, new_folder_name, parse_folder_name, pid_namespace
+from memshare._sweep import sweep_dead_owners
 
 #: The inode of the initial pid namespace, the same on every Linux host.
 INITIAL_PID_NAMESPACE = 4026531836
@@ -240,7 +241,7 @@ def test_network_file_system_types(fstype, network):
 def fake_network_mount(monkeypatch, path) -> None:
     """Make memshare read a mount table in which ``path`` is an NFS mount."""
     table = MOUNTINFO + f"\n99 27 0:99 / {os.path.realpath(str(path))} rw - nfs4 filer:/export rw"
-    monkeypatch.setattr(_folders, "read_mountinfo", lambda: table)
+    monkeypatch.setattr(_location, "read_mountinfo", lambda: table)
 
 
 def test_the_sweep_leaves_network_file_systems_alone_unless_asked(shared, monkeypatch):

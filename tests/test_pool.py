@@ -1,21 +1,20 @@
 """MemmappingPool across real processes."""
 
+import gc
 import multiprocessing as mp
 import os
 import signal
 import stat
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
-from conftest import files_under, memshare_entries, wait_until
+from conftest import alive, files_under, memshare_entries, total, wait_until
 
 import memshare
 from memshare import MemmappingPool
-
-
-def total(x):
-    return float(np.asarray(x).sum())
 
 
 def kind(x):
@@ -183,6 +182,24 @@ def test_killed_worker_fails_pending_tasks_promptly(shm_dir, tmp_path):
         with pytest.raises(memshare.WorkerDiedError, match="create a new one"):
             pool.apply_async(add, (2, 3))  # broken: says so instead of hanging
     assert memshare_entries(shm_dir) == []  # terminate() did not hang, and cleaned up
+
+
+def test_a_pool_dropped_unclosed_is_collected_warns_and_ends_its_workers(shm_dir):
+    threads_before = set(threading.enumerate())
+    pool = MemmappingPool(2)
+    assert pool.map(total, [np.ones(300_000)] * 4) == [300_000.0] * 4  # dumped: the pool has a folder
+    watch = pool._watch  # holds no reference to the pool
+    assert wait_until(lambda: len(watch.watched_pids()) == 2, 30), "the watch never saw both workers"
+    workers = watch.watched_pids()
+    collected = weakref.ref(pool)
+    with pytest.warns(ResourceWarning, match="unclosed running MemmappingPool"):
+        del pool
+        gc.collect()
+    gc.collect()  # the warning held the pool as its source until pytest.warns let it go
+    assert collected() is None
+    assert wait_until(lambda: not any(alive(worker) for worker in workers), 30), "a worker outlived its pool"
+    assert wait_until(lambda: memshare_entries(shm_dir) == [], 30), memshare_entries(shm_dir)
+    assert wait_until(lambda: set(threading.enumerate()) <= threads_before, 30), "a thread outlived its pool"
 
 
 def read_global(_):

@@ -11,6 +11,7 @@ import multiprocessing
 
 import numpy as np
 import pytest
+from conftest import total
 
 import memshare
 from memshare import MemmappingPool
@@ -22,10 +23,6 @@ def add_one(x):
 
 def add(x, y):
     return x + y
-
-
-def total(array):
-    return float(array.sum())
 
 
 def fail_on_five(x):

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import psutil
 import pytest
-from conftest import wait_until
+from conftest import total, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, _held_memory, _memfd, _promotion, delayed
@@ -50,10 +50,6 @@ def value_at(x, i):
 
 def file_of(x):
     return x.filename, type(x).__name__
-
-
-def total(x):
-    return float(x.sum())
 
 
 def mappings_of(start, end):
@@ -132,10 +128,8 @@ def name_in_maps(path):
 
 
 @pytest.fixture(autouse=True)
-def _default_location(monkeypatch):
+def _default_location(default_location):
     """Arrays are held once only where memshare chooses the location."""
-    for variable in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_PROMOTE"):
-        monkeypatch.delenv(variable, raising=False)
 
 
 def test_this_linux_process_can_hold_arrays_once():

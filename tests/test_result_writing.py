@@ -20,12 +20,12 @@ from conftest import files_under, memshare_entries, mount_small_tmpfs, unmount
 import memshare
 import memshare._folders as folders_module
 import memshare._result_files as result_files
+from memshare._adopt import restore
 from memshare._config import Settings
 from memshare._dumping import CHUNK_BYTES
 from memshare._folders import FolderPair
 from memshare._owners import Owner, new_folder_name
-from memshare._protocol import Task, restore
-from memshare._reducers import ResultSpec
+from memshare._protocol import ResultSpec, Task
 from memshare._session import Session
 from memshare._worker import run_task
 

@@ -117,15 +117,15 @@ def test_a_killed_worker_leaks_nothing(shm_dir):
 
 def write_result_then_die(n):
     """Return a large array from a worker that is killed right after writing it, before sending it."""
-    import memshare._reducers as reducers  # the module that calls fill_result_file, in this worker
+    import memshare._result_files as result_files  # the module that calls fill_result_file, in this worker
 
-    real = reducers.fill_result_file
+    real = result_files.fill_result_file
 
     def fill_then_die(*args, **kwargs):
         real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    reducers.fill_result_file = fill_then_die  # the worker dies with the patch
+    result_files.fill_result_file = fill_then_die  # the worker dies with the patch
     return np.ones(n)
 
 

@@ -5,6 +5,7 @@ the sender holds, and change nothing. Every route is covered here; the
 sessions and workers that carry them out are tested elsewhere.
 """
 
+import dataclasses
 import mmap
 
 import numpy as np
@@ -16,11 +17,13 @@ from memshare._refs import DUMP, SHARED, USER
 from memshare._routes import (
     BY_VALUE,
     DUMP_ARRAY,
+    DUMP_BASE,
     HAND_OVER,
+    OWN_DUMP,
     PICKLE,
     REFERENCE,
     RESULT_FILE,
-    VIEW_OF_DUMP,
+    Route,
     copied_route,
     input_route,
     result_route,
@@ -112,7 +115,7 @@ def test_a_view_covering_half_of_a_contiguous_base_is_a_view_of_the_base_dump():
     base = flat.reshape(20, 50)
     for view in (base.T, base[10:], base[:, 1:]):
         route = input_route(view, LIMIT, NOTHING_HELD)
-        assert route.kind == VIEW_OF_DUMP and route.source is flat and route.ref is None  # the root is dumped
+        assert route.kind == DUMP_BASE and route.source is flat and route.ref is None  # the root is dumped
 
 
 def test_a_view_covering_less_than_half_of_its_base_is_dumped_alone():
@@ -144,17 +147,70 @@ def test_shared_arrays_and_their_views_go_by_reference(shm_dir):
 def test_a_view_of_a_dump_the_session_holds_is_a_view_of_that_dump(dump_memmap):
     held = {dump_memmap.filename}
     route = input_route(dump_memmap[::2], LIMIT, held)
-    assert route.kind == VIEW_OF_DUMP and route.ref.kind == DUMP and route.source is None
+    assert route.kind == OWN_DUMP and route.ref.kind == DUMP and route.source is None
     assert route.ref.path == dump_memmap.filename
     # Another session's dump (a nested call's input) is a plain reference.
     assert input_route(dump_memmap[::2], LIMIT, NOTHING_HELD).kind == REFERENCE
 
 
-def test_deciding_changes_nothing():
-    array = np.ones(LARGE)
-    held = frozenset({"/nowhere"})
-    assert input_route(array, LIMIT, held) == input_route(array, LIMIT, held)
-    assert array.flags.writeable and array.base is None
+def test_an_array_to_dump_is_asked_to_be_held_once_when_the_settings_allow():
+    array, base = np.ones(LARGE), np.arange(float(LARGE))
+    for route in (
+        input_route(array, LIMIT, NOTHING_HELD, promote=True, worker_mode="r"),
+        input_route(base.reshape(20, 50).T, LIMIT, NOTHING_HELD, promote=True, worker_mode="c"),
+    ):
+        assert route.hold_once and route.not_held_once is None
+    assert input_route(array, LIMIT, NOTHING_HELD).hold_once is False  # promote=False: not asked, nothing to log
+    assert input_route(array, LIMIT, NOTHING_HELD).not_held_once is None
+
+
+def test_holding_once_is_refused_with_its_reason_for_workers_that_map_writable():
+    route = input_route(np.ones(LARGE), LIMIT, NOTHING_HELD, promote=True, worker_mode="r+")
+    assert route.kind == DUMP_ARRAY and not route.hold_once
+    assert "mmap_mode='r+'" in route.not_held_once
+
+
+def test_a_copy_on_write_memmaps_copy_is_never_held_once(user_memmap):
+    cow = np.memmap(user_memmap.filename, dtype=np.float64, mode="c")
+    route = input_route(cow, LIMIT, NOTHING_HELD, promote=True, worker_mode="r")
+    assert route.kind == DUMP_ARRAY and route.mode == "c"
+    assert not route.hold_once and route.not_held_once is None
+
+
+def _same_route(first, second):
+    """Every field equal, ``source`` (not compared by the dataclass: an array) by identity."""
+    return all(
+        (getattr(first, f.name) is getattr(second, f.name))
+        if f.name == "source"
+        else (getattr(first, f.name) == getattr(second, f.name))
+        for f in dataclasses.fields(Route)
+    )
+
+
+def _state(array):
+    """What deciding must leave as it is: the array's memory, geometry, flags and chain of bases."""
+    bases = []
+    base = array.base
+    while base is not None:
+        bases.append(id(base))
+        base = getattr(base, "base", None)
+    flags = {name: getattr(array.flags, name) for name in ("writeable", "owndata", "c_contiguous", "f_contiguous")}
+    return (array.__array_interface__, flags, bases, array.tobytes())
+
+
+def test_deciding_changes_nothing(dump_memmap, user_memmap):
+    held = {dump_memmap.filename}
+    flat = np.arange(float(LARGE))
+    arrays = [np.ones(LARGE), np.ones(10), flat.reshape(20, 50).T, dump_memmap[::2], user_memmap[1:]]
+    for array in arrays:
+        before = _state(array)
+        for promote, mode in ((False, "r"), (True, "r"), (True, "r+")):
+            first = input_route(array, LIMIT, held, promote=promote, worker_mode=mode)
+            second = input_route(array, LIMIT, held, promote=promote, worker_mode=mode)
+            assert _same_route(first, second), (first, second)
+            assert first.source is None or first.source is array or first.source is flat  # never a copy
+        assert _state(array) == before
+    assert held == {dump_memmap.filename}
 
 
 # -- results -------------------------------------------------------------------

@@ -21,17 +21,15 @@ import pytest
 from conftest import array_fit_to_hold
 
 import memshare
-from memshare import _config, _doctor, _folders, _promotion
+from memshare import _config, _doctor, _location, _promotion
 from memshare._held_memory import unsupported_reason
 
 BIG = 300_000  # float64: 2.4 MB, above the default max_nbytes of 1 MiB
 
 
 @pytest.fixture
-def clean_environment(monkeypatch):
+def clean_environment(default_location):
     """No temp folder or promote setting from the environment that runs the tests."""
-    for variable in ("MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER", "MEMSHARE_PROMOTE"):
-        monkeypatch.delenv(variable, raising=False)
 
 
 def _doctor_lines(**kwargs) -> list:
@@ -47,7 +45,7 @@ def _line(lines: list, start: str) -> str:
 
 
 def _disk_fstype(path) -> str:
-    fstype = _folders.mount_fstype(os.path.realpath(str(path)), _folders.read_mountinfo())
+    fstype = _location.mount_fstype(os.path.realpath(str(path)), _location.read_mountinfo())
     if fstype in (None, "tmpfs", "ramfs"):
         pytest.skip(f"{path} is not on a disk file system here ({fstype})")
     return fstype
@@ -91,7 +89,7 @@ def test_disk_temp_folder_warns_once_and_logs_its_creation(tmp_path, clean_envir
 
 def test_ram_temp_folder_does_not_warn(clean_environment):
     """A folder the user chose in /dev/shm (tmpfs) is RAM: no warning."""
-    if _folders.mount_fstype("/dev/shm", _folders.read_mountinfo()) != "tmpfs":
+    if _location.mount_fstype("/dev/shm", _location.read_mountinfo()) != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")
     folder = f"/dev/shm/user-facing-test-{uuid.uuid4().hex}"
     try:

@@ -1,0 +1,208 @@
+"""The parent side of results: restoring an outcome, adopting its result files and memfds.
+
+:func:`restore` unpickles an outcome with each slot loaded once: a result
+file or memfd is adopted (mapped, its name deleted at once, so that its
+memory lives exactly as long as the returned array), the user's own file or
+the parent's own shared array is viewed, an array that came by value is
+taken as it is. A named result file is adopted only from the session's own
+folder pair, checked by the (device, inode) of the opened folder.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from . import _memfd
+from ._errors import RemoteTraceback
+from ._folders import FolderPair
+from ._handoff import Inbox
+from ._mapping import array_from_ref, map_descriptor
+from ._protocol import Outcome, Receive, Slot
+from ._reducers import unpack
+from ._refs import RESULT, ArrayRef, file_identity, kind_of_path
+from ._shared_store import lookup_shared
+
+
+def restore(
+    outcome: Outcome, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None
+) -> Tuple[bool, Any]:
+    """In the parent: (True, value) or (False, exception with remote traceback).
+
+    ``receive`` gives the descriptors of result memfds the worker passed
+    (see ``_handoff``), by (device, inode); result files are adopted only
+    from ``folder``, the session's folder pair (see :func:`adopt_result`).
+    """
+
+    # Two slots may name one result file (two views of one array of the worker): the file
+    # is adopted once, its name deleted then, and every slot that names it views that mapping.
+    adopted: Dict[Tuple[str, int, int], np.ndarray] = {}
+
+    def load_slot(where: Slot) -> np.ndarray:
+        if isinstance(where, ArrayRef) and where.kind == RESULT:
+            key = (where.path, where.device, where.inode)
+            if key not in adopted:
+                adopted[key] = adopt_mapping(where, receive, folder)
+            return _view(adopted[key], where)
+        return _load_slot(where, receive, folder)
+
+    try:
+        value = unpack(outcome.stream, outcome.slots, load_slot)
+    except BaseException as exc:
+        return False, exc
+    if outcome.ok:
+        return True, value
+    exc = value.exception
+    if exc.__cause__ is None:
+        exc.__cause__ = RemoteTraceback(value.traceback)
+    return False, exc
+
+
+def restore_with_memfds(outcome: Outcome, inbox: Inbox, pair: FolderPair) -> Tuple[bool, Any]:
+    """Restore ``outcome``, taking the result memfds its worker passed; close any left unclaimed.
+
+    Two slots may name one memfd (two views of a worker's shared array):
+    each gets its own descriptor of the one received.
+    """
+    claimed: Dict[Tuple[int, int], int] = {}
+
+    def receive(identity: Tuple[int, int]) -> Optional[int]:
+        if identity not in claimed:
+            fd = inbox.take(identity)
+            if fd is None:
+                return None
+            claimed[identity] = fd
+        return os.dup(claimed[identity])
+
+    try:
+        return restore(outcome, receive, folder=pair)
+    finally:
+        for fd in claimed.values():
+            os.close(fd)
+        # One descriptor came per memfd this outcome names (others of the same memfd
+        # belong to other outcomes): close those it did not claim.
+        inbox.discard({(ref.device, ref.inode) for ref in outcome.result_files()} - claimed.keys())
+
+
+def _load_slot(where: Slot, receive: Optional[Receive], folder: Optional[FolderPair]) -> np.ndarray:
+    """The array of a result slot."""
+    if isinstance(where, np.ndarray):
+        return where  # no file had room: it came by value
+    if where.kind == RESULT:
+        return adopt_result(where, receive, folder)
+    return _rebuild_reference(where)
+
+
+def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
+    """A result that views the user's own file mapping, or the parent's own shared array."""
+    shared = lookup_shared(ref)
+    if shared is not None:
+        return shared
+    return array_from_ref(ref, cached=False)
+
+
+def adopt_result(ref: ArrayRef, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None) -> np.ndarray:
+    """Map a worker's result file and delete its name at once.
+
+    From then on the memory lives exactly as long as the returned array (the
+    mapping is its base); nothing is left on disk whatever happens next. The
+    array is a plain, writable ``np.ndarray``: the mapping is shared but no
+    other process has the file any more. The mapping keeps no descriptor
+    (:func:`~memshare._mapping.map_descriptor`): a call may return any number
+    of results under the process's descriptor limit.
+
+    A memfd result comes as the descriptor the worker passed (``receive``),
+    already checked against the reference's (device, inode); the worker
+    closed its own. A named result file is adopted (mapped, then unlinked)
+    only from ``folder``, the session's folder pair: an outcome naming a
+    file anywhere else, another session's for one, raises
+    ``PermissionError`` and leaves that file alone. ``folder`` None skips
+    that check (for callers that made the outcome themselves).
+    """
+    return _view(adopt_mapping(ref, receive, folder), ref)
+
+
+def adopt_mapping(ref: ArrayRef, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None) -> np.ndarray:
+    """The whole mapping of ``ref``'s result file, adopted as :func:`adopt_result` says (bytes, no view)."""
+    if ref.kind != RESULT:
+        raise PermissionError(f"memshare: {ref.path!r} is not a result file")
+    if _memfd.is_memfd_path(ref.path):
+        fd = receive((ref.device, ref.inode)) if receive is not None else None
+        if fd is None:
+            raise FileNotFoundError(f"memshare: the memory of a {ref.nbytes}-byte result never arrived from its worker")
+        try:
+            raw = map_descriptor(fd, os.fstat(fd).st_size, "r+")  # shared, read-write: the worker closed its own
+        finally:
+            os.close(fd)
+        return raw
+    return _take_result_file(ref, folder)
+
+
+def _view(raw: np.ndarray, ref: ArrayRef) -> np.ndarray:
+    return np.ndarray(ref.shape, ref.dtype, buffer=raw, offset=ref.offset, strides=ref.strides)
+
+
+def _take_result_file(ref: ArrayRef, folder: Optional[FolderPair]) -> np.ndarray:
+    """Map the named result file of ``ref`` (checked to be in ``folder``) and delete its name.
+
+    The directory is opened first and every later step goes through that
+    descriptor (``dir_fd``): the directory checked is the one the file is
+    opened and unlinked in, whatever happens to the path's components
+    meanwhile. The file itself is opened with ``O_NOFOLLOW`` and must be the
+    reference's (device, inode).
+    """
+    if kind_of_path(ref.path) != RESULT:
+        raise PermissionError(f"memshare: refusing to adopt {ref.path!r}: not a memshare result file")
+    directory, name = os.path.split(ref.path)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if folder is not None and not _is_session_folder(os.fstat(dir_fd), folder):
+            raise PermissionError(
+                f"memshare: refusing to adopt the result file {ref.path!r}: it is not in this call's folders "
+                f"({', '.join(map(repr, folder.folders()))}), where its workers write their results. The outcome "
+                "names another call's file (left alone): a worker sent a result it did not make"
+            )
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or not ref.is_file(info):
+                raise FileNotFoundError(f"memshare: {ref.path!r} was replaced since it was shared")
+            raw = map_descriptor(fd, info.st_size, "r+")
+        finally:
+            os.close(fd)
+        # The mapping keeps the memory: the name can go now. Only this file's
+        # name, should another file have taken it meanwhile.
+        try:
+            if ref.is_file(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # removed already (the session closed its folder)
+    finally:
+        os.close(dir_fd)
+    return raw
+
+
+def _is_session_folder(directory: os.stat_result, folder: FolderPair) -> bool:
+    """True when ``directory`` (a stat result) is one of ``folder``'s folders: the primary or a disk fallback.
+
+    Compared by (device, inode), not by path: a path can name a folder
+    through a symbolic link or ``..``, and another folder can have a name
+    that starts like this one's. A folder of another user at one of the
+    pair's names (planted there, and so passed over by the workers) is not
+    the session's.
+    """
+    if directory.st_uid != os.geteuid():
+        return False
+    for path in folder.folders():
+        try:
+            if file_identity(os.stat(path)) == file_identity(directory):
+                return True
+        except OSError:
+            continue  # not made yet: no result can be in it
+    return False
+
+
+__all__ = ["adopt_result", "restore", "restore_with_memfds"]

@@ -1,0 +1,326 @@
+"""The dump files of one session: one per array or buffer, deleted as soon as nothing needs it, rewritten when stale.
+
+A :class:`DumpTable` writes an array (keyed by its identity) or an argument's
+out-of-band buffer (keyed by its memory) to a dump file at most once per
+generation, counts the pending tasks that read each file, and deletes a file
+when its array is collected, when idle files need the room, or when the
+array changed since it was written. Not thread-safe on its own: the session
+calls every method with its lock held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import pickle
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import ContextManager, Dict, KeysView, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ._dumping import dump_array, row_slabs
+from ._folders import FolderPair, delete_file
+from ._identity import IdentityTable
+from ._mapping import map_file, view_of
+from ._refs import DUMP, ArrayRef, data_address
+from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision
+
+# Comparing an array with its dump runs at about 0.15 s/GiB on two threads
+# (0.14-0.19 s measured for 1 GiB of float64 on a 2-core machine; 0.17 s on
+# one thread), less than half the cost of writing it again (about 0.4 s).
+_COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
+_PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
+
+
+@dataclass
+class _Dump:
+    """One array (or buffer) dumped in this session."""
+
+    ref: Optional[ArrayRef]  # None while no file holds the array
+    generation: int  # the generation in which the file was last known current
+    pending: int = 0  # pending tasks that reference the file
+    uses: int = 0  # tasks that referenced this array so far
+    parent_view: Optional[np.ndarray] = field(default=None, repr=False)
+    alive: bool = True  # False once the array was garbage-collected
+
+
+@dataclass
+class _BufferDump:
+    """One out-of-band buffer dumped in this session: its dump, and the export that keeps its memory."""
+
+    entry: _Dump
+    export: pickle.PickleBuffer
+
+
+class DumpTable:
+    """The dumps of one session, by array, by buffer memory and by path."""
+
+    def __init__(self, pair: FolderPair, stats: CallStats, lock: ContextManager) -> None:
+        """``lock`` is the session's, re-entrant: taken here only by the callback of a collected array."""
+        self._pair = pair
+        self._stats = stats
+        self._lock = lock
+        # An array is keyed by its identity, never by its content. The weak
+        # reference's callback removes the key before the array's memory (and
+        # so its id()) can be reused: a new array never aliases a dead one.
+        self._by_array: IdentityTable[_Dump] = IdentityTable()
+        self._by_path: Dict[str, _Dump] = {}  # current files only
+        self._idle: OrderedDict[str, _Dump] = OrderedDict()
+        self._generations = itertools.count(1)
+        self.generation = 0
+        # Out-of-band buffers of this generation, by (address, size) of their
+        # memory: the dumped ones, and the ones counted as pickled in the stream.
+        self._buffers: Dict[Tuple[int, int], _BufferDump] = {}
+        self._buffer_keys: Dict[str, Tuple[int, int]] = {}  # dump path -> its buffer's key
+        self._buffers_in_band: Set[Tuple[int, int]] = set()
+        self._buffers_generation = 0
+
+    @property
+    def paths(self) -> KeysView[str]:
+        """The paths of the current dump files (a live, read-only view)."""
+        return self._by_path.keys()
+
+    def new_generation(self) -> None:
+        """A new call starts: reused arrays are checked for changes, earlier calls' buffers go.
+
+        Called without the lock: next() on a count is atomic under the GIL;
+        the lock is taken only when there are buffers to let go of.
+        """
+        self.generation = next(self._generations)
+        if self._buffers:
+            with self._lock:
+                self._new_buffer_generation()
+
+    # -- arrays --------------------------------------------------------------
+
+    def dump(self, array: np.ndarray, mode: str, files: List[str]) -> ArrayRef:
+        """The reference to ``array``'s dump mapped with ``mode``, written now unless current; noted in ``files``.
+
+        An array reused in a later generation, with no pending task reading
+        its file, is compared with the file and written again if it changed
+        (while tasks are pending, a change would race with them anyway, so
+        sending the same array many times in a row costs nothing). An
+        earlier call may have dumped it with another mode (a copy-on-write
+        memmap made read-only since): the file is reused, mapped with the
+        mode asked for now. Any mode is safe: the file is the session's copy.
+        """
+        entry = self._by_array.get(array)
+        if entry is not None and entry.ref is not None and entry.generation != self.generation:
+            if entry.pending == 0 and not _matches_file(entry, array):
+                self._delete_file(entry)
+            entry.generation = self.generation
+        if entry is None:
+            entry = _Dump(ref=None, generation=self.generation)
+            self._by_array.add(array, entry, self._forget)
+        if entry.ref is None:
+            self._evict_idle(limit=self._pending_bytes())
+            ref, seconds = dump_array(self._pair, array, DUMP, mode)
+            entry.ref, entry.generation = ref, self.generation
+            self._by_path[ref.path] = entry
+            self._stats.add(arrays_dumped=1, bytes_dumped=array.nbytes, dump_seconds=seconds)
+            if self._pair.is_fallback(ref.path):
+                self._stats.add(fallback_files=1)
+            log_decision(DUMPED, array, ref.path, seconds)
+        self._use(entry, files)
+        return _in_mode(entry.ref, mode)
+
+    def use(self, path: str, files: List[str]) -> None:
+        """One more task reads the current dump at ``path``; noted in ``files``."""
+        self._use(self._by_path[path], files)
+
+    # -- out-of-band buffers -------------------------------------------------
+
+    def pickled_buffer(self, key: Tuple[int, int]) -> bool:
+        """True the first time in this generation that the buffer at ``key`` (address, size) stays in the stream."""
+        self._new_buffer_generation()
+        if key in self._buffers_in_band:
+            return False
+        self._buffers_in_band.add(key)
+        return True
+
+    def dump_buffer(self, buffer: pickle.PickleBuffer, mode: str, exporter: object, files: List[str]) -> ArrayRef:
+        """The reference to ``buffer``'s dump mapped with ``mode``, written now unless this generation wrote it.
+
+        A buffer is keyed by its memory: each exporter wraps the same memory
+        in a new object every time it is pickled, so there is no object to
+        key by or to watch weakly. The entry holds the ``PickleBuffer`` (an
+        export of that memory), so the memory cannot be freed, and its
+        address reused by other data, while the key names it. That pins the
+        memory for the call: the next generation forgets every buffer no
+        pending task reads, and closing the table forgets the rest.
+        """
+        self._new_buffer_generation()
+        raw = np.frombuffer(buffer.raw(), np.uint8)  # no copy: the bytes to write
+        key = (data_address(raw), raw.nbytes)
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = _BufferDump(_Dump(ref=None, generation=self.generation), buffer)
+        entry = held.entry
+        if entry.ref is None:  # new, or its idle file was deleted for room since
+            self._evict_idle(limit=self._pending_bytes())
+            ref, seconds = dump_array(self._pair, raw, DUMP, mode)
+            entry.ref = ref
+            self._by_path[ref.path] = entry
+            self._buffer_keys[ref.path] = key
+            self._stats.add(buffers_dumped=1, bytes_buffers_dumped=raw.nbytes, dump_seconds=seconds)
+            if self._pair.is_fallback(ref.path):
+                self._stats.add(fallback_files=1)
+            log_buffer_decision(DUMPED, raw.nbytes, exporter, ref.path, seconds)
+        self._use(entry, files)
+        return _in_mode(entry.ref, mode)
+
+    def _new_buffer_generation(self) -> None:
+        """At the first buffer of a new generation: forget the buffers of earlier ones that no task reads.
+
+        Their memory is the caller's and may change or go between calls, so
+        a later call dumps it again; forgetting releases the export that
+        pinned it, and deletes the file.
+        """
+        if self._buffers_generation == self.generation:
+            return
+        self._buffers_generation = self.generation
+        self._buffers_in_band.clear()
+        for key, held in list(self._buffers.items()):
+            if held.entry.pending == 0:
+                self._forget_buffer(key)
+
+    def _forget_buffer(self, key: Tuple[int, int]) -> None:
+        """Delete the dump of the buffer at ``key`` and release its export."""
+        held = self._buffers.pop(key)
+        if held.entry.ref is not None:
+            self._buffer_keys.pop(held.entry.ref.path, None)
+        self._delete_file(held.entry)
+
+    # -- lifetimes -----------------------------------------------------------
+
+    def _use(self, entry: _Dump, files: List[str]) -> None:
+        self._idle.pop(entry.ref.path, None)
+        entry.uses += 1
+        entry.pending += 1
+        files.append(entry.ref.path)
+
+    def release(self, files: List[str]) -> None:
+        """A task that read ``files`` is done: each file no pending task reads goes, stays or turns idle.
+
+        * its array was garbage-collected: deleted at once;
+        * its array was used by two or more tasks (shared): kept until the
+          session closes, so an array used by every task is written once;
+        * otherwise idle: deleted, oldest first, when a new dump would make
+          idle files outweigh the files pending tasks use; revived for free
+          if used again. A call over many distinct arrays so keeps about
+          twice what is in flight, not everything it ever dumped.
+        """
+        for path in files:
+            entry = self._by_path.get(path)
+            if entry is None:
+                continue
+            entry.pending -= 1
+            if entry.pending > 0:
+                continue
+            key = self._buffer_keys.get(path)
+            if key is not None:
+                # A buffer used by one task so far is forgotten at once: pinning its
+                # memory for the rest of the call would hold, for a buffer made anew for
+                # each task, one copy per task. A buffer used by several tasks stays.
+                if entry.uses < 2:
+                    self._forget_buffer(key)
+            elif not entry.alive:
+                self._delete_file(entry)  # its entry already left _by_array (_forget)
+            elif entry.uses < 2:
+                self._idle[path] = entry
+
+    def _pending_bytes(self) -> int:
+        return sum(e.ref.nbytes for e in self._by_path.values() if e.pending > 0)
+
+    def _evict_idle(self, limit: int) -> None:
+        """Delete idle files, oldest first, until they weigh at most ``limit``."""
+        idle_bytes = sum(e.ref.nbytes for e in self._idle.values())
+        while self._idle and idle_bytes > limit:
+            _, entry = self._idle.popitem(last=False)
+            idle_bytes -= entry.ref.nbytes
+            self._delete_file(entry)  # the entry stays: a later use is then "shared"
+
+    def _forget(self, entry: _Dump) -> None:
+        """The array of ``entry`` was garbage-collected: its file goes once no task needs it.
+
+        A weak reference callback: it may run in any thread, in the middle of
+        packing a task in this one (hence the re-entrant lock).
+        """
+        with self._lock:
+            entry.alive = False
+            if entry.pending == 0:
+                self._delete_file(entry)
+
+    def _delete_file(self, entry: _Dump) -> None:
+        if entry.ref is None:
+            return
+        self._by_path.pop(entry.ref.path, None)
+        self._idle.pop(entry.ref.path, None)
+        entry.parent_view = None
+        delete_file(entry.ref.path)
+        entry.ref = None
+
+    def close(self) -> None:
+        """Delete every file and forget every array and buffer (releasing the buffers' exports)."""
+        for entry in list(self._by_path.values()):
+            entry.parent_view = None
+            delete_file(entry.ref.path)  # a memfd is closed here; named files also go with the folder
+            entry.ref = None
+        self._by_array.clear()
+        self._by_path.clear()
+        self._idle.clear()
+        self._buffers.clear()  # their files went above; this releases their exports
+        self._buffer_keys.clear()
+        self._buffers_in_band.clear()
+
+
+def _in_mode(ref: ArrayRef, mode: str) -> ArrayRef:
+    return ref if ref.mode == mode else dataclasses.replace(ref, mode=mode)
+
+
+# -- staleness ---------------------------------------------------------------
+
+
+def _matches_file(entry: _Dump, array: np.ndarray) -> bool:
+    """True when the file still holds exactly ``array``'s bytes.
+
+    Bitwise, so -0.0 against 0.0 or a changed NaN payload count as changes.
+    Memory-bandwidth bound: large arrays are compared in two halves on two
+    threads (numpy releases the GIL while comparing). The parent's view of
+    the file is kept with the entry until the file is deleted.
+    """
+    if entry.parent_view is None:
+        entry.parent_view = view_of(map_file(entry.ref), entry.ref)
+    stored = entry.parent_view
+    if stored.shape != array.shape or stored.dtype != array.dtype:
+        return False
+    if array.ndim == 0:
+        return stored.tobytes() == array.tobytes()
+    rows = array.shape[0]
+    if array.nbytes < _PARALLEL_COMPARE_BYTES or rows < 2 or (os.cpu_count() or 1) < 2:
+        return _same_rows(array, stored, 0, rows)
+    middle = rows // 2
+    with ThreadPoolExecutor(2, thread_name_prefix="memshare-compare") as pool:
+        halves = [
+            pool.submit(_same_rows, array, stored, 0, middle),
+            pool.submit(_same_rows, array, stored, middle, rows),
+        ]
+        return all(half.result() for half in halves)
+
+
+def _same_rows(array: np.ndarray, stored: np.ndarray, start: int, stop: int) -> bool:
+    """Bitwise equality of ``array[start:stop]`` and ``stored[start:stop]``, a slab at a time."""
+    for rows in row_slabs(array, start, stop, _COMPARE_BYTES):
+        ours = _raw(np.ascontiguousarray(array[rows]))
+        theirs = _raw(np.ascontiguousarray(stored[rows]))
+        if not np.array_equal(ours, theirs):
+            return False
+    return True
+
+
+def _raw(contiguous: np.ndarray) -> np.ndarray:
+    raw = contiguous.reshape(-1).view(np.uint8)
+    return raw.view(np.uint64) if raw.size % 8 == 0 else raw
