@@ -3,10 +3,11 @@
 Public API: :class:`MemmappingPool` (alias ``MemmapingPool``), the joblib
 backend ``"memshare"`` (registered on import), :func:`Parallel` /
 :func:`delayed`, the shared-array constructors :func:`empty`, :func:`zeros`,
-:func:`full`, :func:`share` and :func:`is_shared`, and
-:func:`last_call_stats`.
+:func:`full`, :func:`share` and :func:`is_shared`, :func:`broadcast` for objects that
+every task reads, and :func:`last_call_stats`.
 """
 
+from ._broadcast import Broadcast, broadcast
 from ._errors import (
     RemoteTraceback,
     SharedMemoryFallbackWarning,
@@ -26,6 +27,7 @@ register_backend()
 __version__ = "0.1.0"
 
 __all__ = [
+    "Broadcast",
     "MemmapingPool",
     "MemmappingPool",
     "MemshareBackend",
@@ -37,6 +39,7 @@ __all__ = [
     "UnpicklableResultError",
     "WorkerDiedError",
     "__version__",
+    "broadcast",
     "delayed",
     "empty",
     "full",

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from ._broadcast import prune_received
 from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
@@ -40,6 +41,7 @@ def run_task(task: Task) -> Outcome:
     """Run ``task`` in this process; always return an :class:`Outcome`."""
     policy, token = ResultPolicy(task.results), task.token
     prune_mappings()  # let go of files earlier calls deleted before mapping new ones
+    prune_received()  # and of broadcasts the parent dropped
     try:
         value = _call(task.stream)
         ok = True
