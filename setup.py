@@ -6,7 +6,7 @@ from setuptools import Extension, find_packages, setup
 # memshare installs without it and sends arrays as it did before.
 extensions = []
 if sys.platform.startswith("linux"):
-    extensions.append(Extension("memshare._remap", ["memshare/_remap.c"], optional=True))
+    extensions.append(Extension("memshare._remap", ["src/memshare/_remap.c"], optional=True))
 
 with open("README.md", encoding="utf-8") as readme:
     long_description = readme.read()
@@ -17,7 +17,8 @@ setup(
     description="Share large NumPy arrays with parallel workers through shared memory instead of copies",
     long_description=long_description,
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["memshare", "memshare.*"]),
+    packages=find_packages(where="src", include=["memshare", "memshare.*"]),
+    package_dir={"": "src"},
     python_requires=">=3.9",
     ext_modules=extensions,
     install_requires=[

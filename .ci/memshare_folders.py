@@ -15,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _owners():
-    spec = importlib.util.spec_from_file_location("_memshare_owners", os.path.join(ROOT, "memshare", "_owners.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_memshare_owners", os.path.join(ROOT, "src", "memshare", "_owners.py")
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)

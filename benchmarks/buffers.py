@@ -10,7 +10,7 @@ transport is what is measured), two workers:
   about ``--size``/2 MB (the time includes building it in the worker, the same for both).
 
 Each run is a fresh interpreter: it builds the data, warms the workers up with a tiny call, then
-times one call under the memory sampler of ``memshare._benchmarks.memory`` (peak extra memory of
+times one call under the memory sampler of ``memshare._tools.benchmarks.memory`` (peak extra memory of
 the process tree, shared memory included). Contenders are interleaved within each repeat.
 "pickled" is what the call's task payloads weighed: memshare's ``last_call_stats()["bytes_pickled"]``;
 for joblib, 8 times the argument's pickled size (loky pickles it for every task).
@@ -82,7 +82,7 @@ def build(size_mb):
 
 def main():
     workload, contender, size_mb, folder = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    from memshare._benchmarks.memory import MemorySampler
+    from memshare._tools.benchmarks.memory import MemorySampler
 
     if contender == "memshare":
         import memshare

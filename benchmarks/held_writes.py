@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from memshare import _promotion
+from memshare import _held_once
 
 
 def _timed_doubling(array: np.ndarray) -> float:
@@ -30,7 +30,7 @@ def _timed_doubling(array: np.ndarray) -> float:
 
 
 def _timed_refresh(array: np.ndarray) -> float:
-    record = _promotion.lookup(array)
+    record = _held_once.lookup(array)
     started = time.perf_counter()
     record.refresh(array)
     return time.perf_counter() - started
@@ -50,7 +50,7 @@ def main() -> None:
         del plain
         held = np.ones(n)
         held *= 1.0
-        _promotion.promote(held)
+        _held_once.hold(held)
         times["held once: x *= 2"].append(_timed_doubling(held))
         times["held once: refresh"].append(_timed_refresh(held))
         del held

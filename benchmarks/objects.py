@@ -10,7 +10,7 @@ measured), two workers. Contenders:
   (the time includes the broadcast: the dict is pickled once, and each worker unpickles it once).
 
 Each run is a fresh interpreter: it builds the dict, warms the workers up with a tiny call, then
-times one call under the memory sampler of ``memshare._benchmarks.memory`` (peak extra memory of
+times one call under the memory sampler of ``memshare._tools.benchmarks.memory`` (peak extra memory of
 the process tree, shared memory included). Contenders are interleaved within each repeat.
 
 Usage (from the repository root)::
@@ -41,7 +41,7 @@ def lookup(table, k):
 
 def main():
     contender, entries, tasks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from memshare._benchmarks.memory import MemorySampler
+    from memshare._tools.benchmarks.memory import MemorySampler
 
     if contender == "joblib":
         from joblib import Parallel, delayed

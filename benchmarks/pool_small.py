@@ -28,7 +28,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
-from memshare._benchmarks.harness import machine_description
+from memshare._tools.benchmarks.harness import machine_description
 
 _CHILD = r"""
 import json, sys, time

@@ -271,12 +271,12 @@ def array_fit_to_hold(nbytes: int, seed: int = 0):
     freed by earlier tests); arrays that do not qualify are kept aside while another is made. Fails with the reason
     when none qualifies, so that a test depending on holding once says why it could not.
     """
-    from memshare import _promotion
+    from memshare import _held_once
 
     kept_aside, reason = [], None
     for _ in range(16):
         array = np.random.default_rng(seed).random(nbytes // 8)
-        reason = _promotion.unfit_reason(array, "r", None)
+        reason = _held_once.unfit_reason(array, "r", None)
         if reason is None:
             return array
         kept_aside.append(array)

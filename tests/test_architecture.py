@@ -46,10 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
-import memshare
-
-PACKAGE = Path(memshare.__file__).parent
-ROOT = PACKAGE.parent
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "memshare"  # the sources, whichever copy of memshare is installed
 COMPAT = "_compat"
 
 #: Underscore names that their library documents as public API.
@@ -68,7 +66,7 @@ def _private(name: str) -> bool:
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)

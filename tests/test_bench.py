@@ -15,8 +15,8 @@ import psutil
 import pytest
 from conftest import wait_until
 
-from memshare._benchmarks import memory
-from memshare._benchmarks.memory import MemorySampler
+from memshare._tools.benchmarks import memory
+from memshare._tools.benchmarks.memory import MemorySampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_quick_benchmark_runs(tmp_path):
 @pytest.mark.timeout(150)
 def test_memshare_bench_entry_point(tmp_path):
     """``memshare._bench.main`` runs the harness shipped in the package."""
-    code = "import sys, memshare._bench as b; sys.exit(b.main(sys.argv[1:]))"
+    code = "import sys, memshare._tools.bench as b; sys.exit(b.main(sys.argv[1:]))"
     # One workload is enough to show the entry point runs; test_quick_benchmark_runs covers the others.
     result = _run_quick([sys.executable, "-c", code], tmp_path, workloads="a")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_memshare_bench_entry_point(tmp_path):
 
 def test_limit_and_loop_rows_arithmetic():
     """limit = serial / workers (capped at the cores) + write + first touch; loop overhead = (time - serial) / 10."""
-    from memshare._benchmarks.harness import Measurement, Report, limit_rows, loop_rows
+    from memshare._tools.benchmarks.harness import Measurement, Report, limit_rows, loop_rows
 
     report = Report(size=1000, n_jobs=2, repeats=1)
     parts = [("serial", 1.0), ("shm-write", 0.3), ("first-touch", 0.1), ("memshare", 1.2), ("joblib", 2.0)]
@@ -104,7 +104,7 @@ def test_limit_and_loop_rows_arithmetic():
 
 def test_results_limit_is_the_workers_making_and_writing_their_share():
     """For results (c): limit = (serial + one write) / workers, with no first touch; memshare's ratio follows."""
-    from memshare._benchmarks.harness import Measurement, Report, limit_rows
+    from memshare._tools.benchmarks.harness import Measurement, Report, limit_rows
 
     report = Report(size=1000, n_jobs=2, repeats=1, limit_formulas={"c": "results"})
     for name, seconds in [("serial", 0.6), ("shm-write", 0.4), ("memshare", 0.55), ("joblib", 3.0)]:
@@ -124,7 +124,7 @@ def test_missing_bench_extra_fails_before_running(monkeypatch, capsys, options, 
     """Without the bench extra, --plot and workload g stop at once with exit 2, naming the package and the fix."""
     import importlib.util
 
-    from memshare._benchmarks import harness
+    from memshare._tools.benchmarks import harness
 
     real_find_spec = importlib.util.find_spec
     absent = ("sklearn", "matplotlib")
@@ -138,7 +138,7 @@ def test_missing_bench_extra_fails_before_running(monkeypatch, capsys, options, 
 @pytest.mark.timeout(150)
 def test_each_contender_runs_in_a_process_of_its_own():
     """Every contender gets its own process, not the harness's; joblib's and serial's never import memshare."""
-    from memshare._benchmarks.harness import run_benchmark
+    from memshare._tools.benchmarks.harness import run_benchmark
 
     report = run_benchmark("a", ["memshare", "joblib", "serial"], size=8 * MiB, repeats=2, quick=True, progress=False)
     pids = {m.contender: {m.pid} for m in report.measurements}
@@ -154,8 +154,8 @@ def test_each_contender_runs_in_a_process_of_its_own():
 
 def test_bench_help_states_the_real_defaults():
     """``bench --help`` names the workloads and size a plain ``bench`` runs, and names the command as invoked."""
-    from memshare._bench import DEFAULT_WORKLOADS
-    from memshare._benchmarks.harness import default_size, format_size
+    from memshare._tools.bench import DEFAULT_WORKLOADS
+    from memshare._tools.benchmarks.harness import default_size, format_size
 
     result = subprocess.run(
         [sys.executable, "-m", "memshare", "bench", "--help"], capture_output=True, text=True, timeout=60
@@ -337,7 +337,7 @@ def test_sampler_leaves_no_process():
 
 def test_a_failing_contender_process_reports_its_traceback():
     """An error in a contender's process reaches the harness as ContenderError with the process's traceback."""
-    from memshare._benchmarks.processes import ContenderError, ContenderProcess
+    from memshare._tools.benchmarks.processes import ContenderError, ContenderProcess
 
     process = ContenderProcess("joblib")
     try:

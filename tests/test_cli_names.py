@@ -52,3 +52,27 @@ def test_usage_names_the_command_as_invoked():
 )
 def test_invoked_name(argv0, name):
     assert invoked_name(argv0) == name
+
+
+def test_runs_beside_a_clone_named_memshare(tmp_path):
+    """From the folder that holds a clone (a ``memshare/`` directory with the sources under ``src/``), the installed
+    package is the one imported: the clone's root is no package, and nothing in it shadows memshare."""
+    clone = tmp_path / "memshare"
+    (clone / "src" / "memshare").mkdir(parents=True)
+    (clone / "README.md").write_text("a clone\n")
+    (clone / "src" / "memshare" / "__init__.py").write_text("raise ImportError('the clone was imported')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for command in ([sys.executable, "-m", "memshare", "--version"], [sys.executable, "-m", "memshare", "doctor"]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+        assert result.returncode in (0, 1), result.stderr  # doctor: 1 only when the machine has a problem
+        assert "Traceback" not in result.stderr, result.stderr
+    where = subprocess.run(
+        [sys.executable, "-c", "import memshare; print(memshare.__file__, memshare.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(tmp_path),
+        env=env,
+    )
+    assert where.returncode == 0 and where.stdout.split()[1] == memshare.__version__, where.stderr
+    assert os.path.dirname(where.stdout.split()[0]) == os.path.dirname(memshare.__file__)

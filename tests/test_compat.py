@@ -12,7 +12,8 @@ import types
 
 import pytest
 
-from memshare import _compat, _doctor
+from memshare import _compat
+from memshare._tools import doctor as _doctor
 
 
 @pytest.mark.parametrize("check", _compat.CHECKS, ids=lambda check: check.name)

@@ -51,7 +51,7 @@ def fill_row(out, i):
 
 
 def test_dumps_and_shared_arrays_are_memfds_held_by_the_parent(default_location, monkeypatch):
-    monkeypatch.setenv("MEMSHARE_PROMOTE", "0")  # a dump, not an array held once (tests/test_promotion.py)
+    monkeypatch.setenv("MEMSHARE_PROMOTE", "0")  # a dump, not an array held once (tests/test_held_once.py)
     gc.collect()
     before = len(memfds_held())
     X = np.arange(1_000_000, dtype=np.float64)

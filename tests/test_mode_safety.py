@@ -2,7 +2,7 @@
 
 ``mmap_mode='r+'``/``'w+'`` let the workers of a call share writes to a dump,
 never to the parent's original array (README). An array held once
-(``_promotion``) is the parent's memory: its file must never reach a worker
+(``_held_once``) is the parent's memory: its file must never reach a worker
 with a writable mode, whatever an earlier call held. These tests also pin
 what an earlier call's decision may and may not change in a later call with
 other settings (``mmap_mode``, ``max_nbytes``, ``promote``, ``temp_folder``).
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import memshare
-from memshare import MemmappingPool, Parallel, _held_memory, _promotion, delayed
+from memshare import MemmappingPool, Parallel, _held_memory, _held_once, delayed
 
 MIB = 1024**2
 #: Above glibc's largest dynamic mmap threshold (32 MiB on 64-bit): such an
@@ -37,7 +37,7 @@ needs_holding = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _default_location(default_location):
-    """memshare chooses the location, so that arrays are held once (see test_promotion)."""
+    """memshare chooses the location, so that arrays are held once (see test_held_once)."""
 
 
 def fresh(extra: int = 0, seed: int = 0) -> np.ndarray:
@@ -49,7 +49,7 @@ def held_array() -> np.ndarray:
     """A new array, held once by a first read-only call (as in the issue's script)."""
     x = fresh()
     Parallel(n_jobs=2)(delayed(checksum)(x) for _ in range(2))
-    assert _promotion.lookup(x) is not None
+    assert _held_once.lookup(x) is not None
     return x
 
 
@@ -94,7 +94,7 @@ def test_a_writable_parallel_call_after_holding_once_leaves_the_parents_array_al
     wrote = Parallel(n_jobs=2, mmap_mode=mode)(delayed(scribble)(argument) for _ in range(2))
     assert wrote == [True, True]
     assert np.array_equal(x, expected), f"{int((x == -7.0).sum())} elements written by a worker"
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert held is not None and file_bytes(held.ref) == expected.tobytes()
     # And a later read-only call still serves the parent's values from the held file.
     assert Parallel(n_jobs=2)(delayed(checksum)(x) for _ in range(2)) == [checksum(expected)] * 2
@@ -129,7 +129,7 @@ def test_a_writable_call_dumps_a_held_array_and_the_log_says_why(caplog):
 @needs_holding
 def test_a_held_file_is_never_referenced_with_a_writable_mode():
     x = held_array()
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert [held.reference(mode).mode for mode in ("r", "c")] == ["r", "c"]
     with pytest.raises(ValueError, match="their writes would reach the parent's array"):
         held.reference("r+")
@@ -139,7 +139,7 @@ def test_a_held_file_is_never_referenced_with_a_writable_mode():
 def test_copy_on_write_sends_the_held_file_and_the_workers_writes_stay_private():
     x = held_array()
     expected = x.copy()
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     seen = Parallel(n_jobs=2, mmap_mode="c")(delayed(file_and_mode)(x) for _ in range(2))
     assert seen == [(held.ref.path, "c", True)] * 2  # no dump: the held file itself, mapped privately
     results = Parallel(n_jobs=2, mmap_mode="c")(delayed(scribble_then_read)(x) for _ in range(2))
@@ -184,14 +184,14 @@ def test_a_copy_on_write_memmaps_dump_follows_its_current_writeable_flag(tmp_pat
 
 
 @needs_holding
-def test_a_held_array_is_dumped_when_a_later_call_turns_promotion_off():
+def test_a_held_array_is_dumped_when_a_later_call_turns_held_once_off():
     # promote=False is the documented way out of holding once: that call gets a
     # plain dump even for an array an earlier call held (which stays held).
     x = held_array()
     with joblib.parallel_config(backend="memshare", promote=False):
         files = Parallel(n_jobs=2)(delayed(file_and_mode)(x) for _ in range(2))
     assert memshare.last_call_stats()["arrays_dumped"] == 1
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert held is not None and {name for name, _, _ in files} != {held.ref.path}
 
 
@@ -201,7 +201,7 @@ def test_a_held_array_travels_by_reference_when_a_later_call_names_a_temp_folder
     # needs no new file (its memory is already in shared memory), so it is sent
     # as it is, read-only or copy-on-write, and nothing is written to the folder.
     x = held_array()
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     for mode in ("r", "c"):
         seen = Parallel(n_jobs=2, temp_folder=str(tmp_path), mmap_mode=mode)(
             delayed(file_and_mode)(x) for _ in range(2)

@@ -22,10 +22,11 @@ import textwrap
 
 import pytest
 
-from memshare import _cli, _location
+from memshare import _location
 from memshare._location import is_network_fstype, mount_fstype
 from memshare._owners import Owner, host_identity, new_folder_name, parse_folder_name, pid_namespace
 from memshare._sweep import sweep_dead_owners
+from memshare._tools import cli as _cli
 
 #: The inode of the initial pid namespace, the same on every Linux host.
 INITIAL_PID_NAMESPACE = 4026531836

@@ -14,9 +14,9 @@ import signal
 
 import pytest
 
-from memshare._benchmarks import harness, memory
-from memshare._benchmarks.harness import Measurement, Report, markdown_table
-from memshare._benchmarks.processes import ContenderProcess, describe_exit
+from memshare._tools.benchmarks import harness, memory
+from memshare._tools.benchmarks.harness import Measurement, Report, markdown_table
+from memshare._tools.benchmarks.processes import ContenderProcess, describe_exit
 
 MiB = 1 << 20
 GiB = 1 << 30

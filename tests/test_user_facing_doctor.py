@@ -21,8 +21,9 @@ import pytest
 from conftest import array_fit_to_hold
 
 import memshare
-from memshare import _config, _doctor, _location, _promotion
+from memshare import _config, _held_once, _location
 from memshare._held_memory import unsupported_reason
+from memshare._tools import doctor as _doctor
 
 BIG = 300_000  # float64: 2.4 MB, above the default max_nbytes of 1 MiB
 
@@ -163,7 +164,7 @@ def test_doctor_defaults_say_where_they_come_from(clean_environment):
     ],
 )
 def test_doctor_agrees_with_what_a_call_does(tmp_path, clean_environment, monkeypatch, environment, options):
-    """doctor's 'arrays held once' is what _promotion decides for a large ordinary array in the same settings."""
+    """doctor's 'arrays held once' is what _held_once decides for a large ordinary array in the same settings."""
     # Fit to hold with the defaults (where the machine can hold any); the settings under test decide below.
     array = array_fit_to_hold(64 * 1024**2) if unsupported_reason() is None else np.ones(64 * 1024**2 // 8)
     for variable, value in environment.items():
@@ -171,7 +172,7 @@ def test_doctor_agrees_with_what_a_call_does(tmp_path, clean_environment, monkey
     settings = _config.Settings.from_user(**options)
     with joblib.parallel_config(backend="memshare", **options):
         line = _line(_doctor_lines(), "arrays held once:")
-    held = settings.promote and _promotion.unfit_reason(array, settings.mmap_mode, settings.temp_folder) is None
+    held = settings.promote and _held_once.unfit_reason(array, settings.mmap_mode, settings.temp_folder) is None
     assert line.strip().startswith("arrays held once: on" if held else "arrays held once: off"), (line, settings)
 
 

@@ -3,7 +3,7 @@
 The first time a session sends an eligible array (:func:`unfit_reason`), its
 bytes go to a file of shared memory and the whole pages of its buffer become
 a private (copy-on-write) mapping of that file at the same addresses
-(*promotion*): the array object does not change, and its memory is held
+(*holding it once*): the array object does not change, and its memory is held
 once, by the parent and by every worker that maps the file. The file goes to workers read-only
 or copy-on-write only, is brought up to date in place (changed pages only)
 once per call, and is deleted when the array is freed. :class:`SessionHolds`
@@ -35,7 +35,7 @@ from ._temp_folder import TempFolder
 PAGE = _held_memory.PAGE
 #: Smallest array worth a file and two extra mappings of its own.
 MIN_BYTES = 16 * PAGE
-#: Mappings each promotion may add (the file mapping splits the chunk's one or two).
+#: Mappings holding one array once may add (the file mapping splits the chunk's one or two).
 _MAPPINGS_PER_ARRAY = 3
 #: The only modes a held file is ever sent with: the worker's writes stay out of the file.
 SAFE_MODES = ("r", "c")
@@ -83,7 +83,7 @@ class Held:
         return dataclasses.replace(self.ref, mode=worker_mode)
 
     def describes(self, array: np.ndarray) -> bool:
-        """True while ``array``'s memory is still the range that was promoted."""
+        """True while ``array``'s memory is still the range that was held once."""
         return data_address(array) == self.address and array.nbytes == self.nbytes
 
     def refresh(self, array: np.ndarray) -> Optional[int]:
@@ -174,7 +174,7 @@ class Held:
         with it, before this weak reference callback runs.
 
         A forked child inherits the array's weak reference callback too; only
-        the process that promoted the array frees its file.
+        the process that held the array once frees its file.
         """
         if os.getpid() != self.owner:
             return
@@ -240,7 +240,7 @@ def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]
 class _Registry:
     """The process's arrays held once, found by identity.
 
-    One per process because promotion changes the process's own memory: any
+    One per process because holding an array once changes the process's own memory: any
     pool or call of the process that sends the array again must find its
     file. Cleared (not released) in a forked child: the files are the
     parent's, and the child's private pages are its own.
@@ -248,7 +248,7 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = _forksafe.lock()
-        self.promoting = _forksafe.lock()  # held for a whole promotion (see promote)
+        self.holding = _forksafe.lock()  # held while one array is made held once (see hold)
         self.held: IdentityTable[Held] = IdentityTable()
         # One folder per location (memfds, or named files in /dev/shm), made on
         # first use, so that a changed setting takes effect for later arrays
@@ -268,20 +268,20 @@ class _Registry:
         if held is not None:
             held.close()
 
-    def promote(self, array: np.ndarray) -> Tuple[Held, float]:
+    def hold(self, array: np.ndarray) -> Tuple[Held, float]:
         """Hold ``array`` once, unless another thread just did; the record and the seconds taken.
 
         Promotions are serialised: two pools or calls in two threads sending
         the same new array must not both remap it (the first file would stay
         mapped by nobody's record and never be freed).
         """
-        with self.promoting:
+        with self.holding:
             held = self.lookup(array)
             if held is not None:
                 return held, 0.0
-            return self._promote(array)
+            return self._hold(array)
 
-    def _promote(self, array: np.ndarray) -> Tuple[Held, float]:
+    def _hold(self, array: np.ndarray) -> Tuple[Held, float]:
         """Write ``array`` into a new file and map the file under it; the record and the seconds taken.
 
         Raises ``OSError`` when shared memory has no room. The array's values
@@ -289,7 +289,7 @@ class _Registry:
         are in the file, piece by piece (``CHUNK_BYTES``), so the extra
         memory at any moment is one piece. One race is left to the caller,
         as with any shared data: a NumPy operation that releases the GIL and
-        writes the array from another thread while it is promoted or
+        writes the array from another thread while it is made held once or
         refreshed.
         """
         started = time.perf_counter()
@@ -379,9 +379,9 @@ def lookup(array: np.ndarray) -> Optional[Held]:
     return _registry.lookup(array)
 
 
-def promote(array: np.ndarray) -> Tuple[Held, float]:
-    """Hold ``array`` once (see :meth:`_Registry.promote`)."""
-    return _registry.promote(array)
+def hold(array: np.ndarray) -> Tuple[Held, float]:
+    """Hold ``array`` once (see :meth:`_Registry.hold`)."""
+    return _registry.hold(array)
 
 
 def forget(array: np.ndarray) -> None:
@@ -390,7 +390,7 @@ def forget(array: np.ndarray) -> None:
 
 
 class SessionHolds:
-    """One session's arrays held once: each array is promoted or refreshed once per generation, not once per task.
+    """One session's arrays held once: each array is held or refreshed once per generation, not once per task.
 
     Remembers, per array, the generation in which its file was last brought
     up to date and the one in which it was last refused (the reason logged
@@ -406,7 +406,7 @@ class SessionHolds:
     def hold(self, array: np.ndarray, generation: int, worker_mode: str, temp_folder: Optional[str]) -> Optional[Held]:
         """The record of ``array``, held once and current for ``generation``, acquired for one task; None: dump it.
 
-        An array is promoted the first time, brought up to date once per
+        An array is held once the first time, brought up to date once per
         generation after that, and refused (dumped) when it cannot be held
         once or brought up to date in place. One held by an earlier call is
         used whatever ``temp_folder``: it needs no new file, so nothing is
@@ -419,7 +419,7 @@ class SessionHolds:
             reason = unfit_reason(array, worker_mode, temp_folder)
             if reason is None:
                 try:
-                    held, seconds = promote(array)
+                    held, seconds = hold(array)
                 except OSError as exc:
                     reason = f"{exc.strerror or exc}"
             if held is None:

@@ -17,7 +17,7 @@ def invoked_name(argv0: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    from ._cli import run
+    from ._tools.cli import run
 
     return run(argv, prog=invoked_name(sys.argv[0] if sys.argv else ""))
 

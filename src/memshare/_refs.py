@@ -28,7 +28,7 @@ from ._owners import parse_folder_name
 DUMP = "dump"  # written by memshare for one pool or call; temporary
 RESULT = "result"  # written by a worker for a result; the parent adopts it
 SHARED = "shared"  # a memshare.empty()/share() array owned by the user's process
-HELD = "held"  # an ordinary array of the parent held once: the file is its memory (``_promotion``)
+HELD = "held"  # an ordinary array of the parent held once: the file is its memory (``_held_once``)
 USER = "user"  # any other file mapping the user made (np.memmap, mmap.mmap)
 _KINDS = (DUMP, RESULT, SHARED, HELD)  # memshare's own files
 

@@ -2,7 +2,7 @@
 
 A :class:`Session` owns a :class:`TempFolder`, the dump table of the files
 written into it (``_dumps``) and its side of arrays held once
-(``_promotion``). It decides each argument's route (``_routes``), carries it
+(``_held_once``). It decides each argument's route (``_routes``), carries it
 out into a per-task record, releases what a task held when it is done, and
 restores its outcome, taking the result memfds its worker passed.
 """
@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _forksafe, _promotion
+from . import _forksafe, _held_once
 from ._adopt import restore, restore_with_memfds
 from ._config import Settings
 from ._dumps import DumpTable
@@ -46,7 +46,7 @@ class _TaskRecord:
     # have mapped it yet.
     held: List[np.ndarray] = field(default_factory=list)
     #: Arrays held once that the task reads: their files are not rewritten in place while it is pending.
-    held_once: List[_promotion.Held] = field(default_factory=list)
+    held_once: List[_held_once.Held] = field(default_factory=list)
     #: memshare's own failure while carrying out a route (no room for a dump,
     #: say), as opposed to a failure to pickle the caller's arguments.
     error: Optional[BaseException] = None
@@ -66,7 +66,7 @@ class Session:
         # dump table) then takes the lock in the same thread.
         self._lock = _forksafe.rlock()
         self._dumps = DumpTable(self.folder.pair, self.stats, self._lock)
-        self._holds = _promotion.SessionHolds(self.stats)
+        self._holds = _held_once.SessionHolds(self.stats)
         self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
         self._tokens = itertools.count(1)
         # Arrays already counted (and logged) as referenced or pickled, so that

@@ -13,7 +13,7 @@ import pytest
 from conftest import total, wait_until
 
 import memshare
-from memshare import MemmappingPool, Parallel, _held_memory, _memfd, _promotion, delayed
+from memshare import MemmappingPool, Parallel, _held_memory, _held_once, _memfd, delayed
 from memshare._refs import HELD
 
 _NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
@@ -145,7 +145,7 @@ def test_a_sent_array_becomes_its_file_with_its_values_address_and_flags_unchang
     with MemmappingPool(2) as pool:
         files = pool.map(file_of, [x, x])
     stats = memshare.last_call_stats()
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert held is not None and _memfd.is_memfd_path(held.ref.path) == (mechanism == "memfd")
     assert all(name == held.ref.path and kind == "memmap" for name, kind in files)
     assert stats["arrays_held_once"] == 1 and stats["bytes_held_once"] == x.nbytes and stats["arrays_dumped"] == 0
@@ -161,7 +161,7 @@ def test_changes_between_calls_are_seen_and_written_back_to_the_file():
     x = big()
     inner, last = 100_000, x.size - 1
     assert Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (0, inner)) == [x[0], x[inner]]
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert held is not None
     x[inner] = -1.0  # an interior page
     x[0] = -2.0  # the first, partly filled page stays ordinary memory
@@ -173,7 +173,7 @@ def test_changes_between_calls_are_seen_and_written_back_to_the_file():
     assert stats["arrays_dumped"] == 0 and stats["bytes_refreshed"] > 0
     # The rewritten page is a file page again: the parent does not keep a second copy of it.
     assert _held_memory.changed_pages(held.first_page, held.end_page).size == 0
-    assert _promotion.lookup(x) is held
+    assert _held_once.lookup(x) is held
 
 
 def test_a_managed_context_sees_an_in_place_change_between_its_calls():
@@ -206,7 +206,7 @@ def test_a_parent_write_during_a_call_stays_private_to_the_parent(tmp_path):
 def test_a_forked_childs_write_leaves_the_parents_values_unchanged(mechanism):
     x = big()
     Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (0, 1))
-    held = _promotion.lookup(x)
+    held = _held_once.lookup(x)
     assert held is not None
     expected = x.copy()
     pid = os.fork()
@@ -251,7 +251,7 @@ def test_freeing_the_array_frees_its_file_and_the_workers_mappings(mechanism):
     x = big()
     with MemmappingPool(2) as pool:
         pool.map(total, [x, x])
-        path = _promotion.lookup(x).ref.path
+        path = _held_once.lookup(x).ref.path
         name = name_in_maps(path)
         workers = [child.pid for child in psutil.Process().children(recursive=True)]
         assert workers and any(_maps(pid, name) for pid in workers)
@@ -312,7 +312,7 @@ def test_threads_writing_during_calls_never_lose_a_write():
     finally:
         stop.set()
         thread.join()
-    assert _promotion.lookup(x) is not None
+    assert _held_once.lookup(x) is not None
     indexes = np.fromiter(last, dtype=np.int64)
     np.testing.assert_array_equal(x[indexes], np.fromiter(last.values(), dtype=np.float64))
 
@@ -321,18 +321,18 @@ def test_memshare_promote_0_and_promote_false_keep_the_plain_dump(monkeypatch):
     x = big()
     monkeypatch.setenv("MEMSHARE_PROMOTE", "0")
     Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert _held_once.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
     monkeypatch.delenv("MEMSHARE_PROMOTE")
     with MemmappingPool(2, promote=False) as pool:
         pool.map(total, [x])
-    assert _promotion.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert _held_once.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
     import joblib
 
     with joblib.parallel_config(backend="memshare", promote=False):
         joblib.Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert _held_once.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
     Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is not None
+    assert _held_once.lookup(x) is not None
 
 
 @pytest.mark.parametrize("value", ["maybe", "2"])
@@ -360,7 +360,7 @@ def test_arrays_that_cannot_be_held_once_are_dumped_and_the_log_says_why(make, k
     with caplog.at_level(logging.DEBUG, logger="memshare"):
         with MemmappingPool(2, **kwargs) as pool:
             assert pool.map(total, [x]) == [pytest.approx(float(x.sum()))]
-    assert _promotion.lookup(x) is None
+    assert _held_once.lookup(x) is None
     assert memshare.last_call_stats()["arrays_dumped"] == 1
     assert any("not held once" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
@@ -368,11 +368,11 @@ def test_arrays_that_cannot_be_held_once_are_dumped_and_the_log_says_why(make, k
 def test_memory_of_another_allocator_is_dumped(monkeypatch, caplog):
     # numpy lets a library plug in its own allocator (NEP 49); memory that
     # numpy's default one did not make is never remapped.
-    monkeypatch.setattr(_promotion, "made_by_default_allocator", lambda array: False)
+    monkeypatch.setattr(_held_once, "made_by_default_allocator", lambda array: False)
     x = big()
     with caplog.at_level(logging.DEBUG, logger="memshare"):
         Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
+    assert _held_once.lookup(x) is None and memshare.last_call_stats()["arrays_dumped"] == 1
     assert any("NumPy's default allocator" in r.getMessage() for r in caplog.records)
 
 
@@ -380,15 +380,15 @@ def test_an_explicit_temp_folder_keeps_the_plain_dump(tmp_path):
     x = big()
     with MemmappingPool(2, temp_folder=str(tmp_path)) as pool:
         pool.map(total, [x])
-    assert _promotion.lookup(x) is None
+    assert _held_once.lookup(x) is None
 
 
-def test_the_decision_log_and_stats_record_each_promotion(caplog):
+def test_the_decision_log_and_stats_record_each_held_once(caplog):
     x = big()
     with caplog.at_level(logging.DEBUG, logger="memshare"):
         Parallel(n_jobs=2)(delayed(total)(x) for _ in range(3))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held once")]
-    assert len(lines) == 1 and _promotion.lookup(x).ref.path in lines[0]
+    assert len(lines) == 1 and _held_once.lookup(x).ref.path in lines[0]
     assert memshare.last_call_stats()["arrays_held_once"] == 1
 
 
@@ -397,7 +397,7 @@ def test_numpy_refuses_to_resize_an_array_held_once_in_place():
     # needs; np.resize (a copy) works as ever.
     x = big()
     Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is not None
+    assert _held_once.lookup(x) is not None
     with pytest.raises(ValueError, match="cannot resize"):
         x.resize(x.size * 2, refcheck=False)
     grown = np.resize(x, x.size * 2)
@@ -408,7 +408,7 @@ def test_views_of_an_array_held_once_read_its_file():
     owner = big()
     x = owner.reshape(-1, 8)
     results = Parallel(n_jobs=2)(delayed(file_of)(v) for v in (x, x.T, x[: x.shape[0] // 2 + 1]))
-    held = _promotion.lookup(owner)
+    held = _held_once.lookup(owner)
     assert held is not None and {name for name, _ in results} == {held.ref.path}
     assert Parallel(n_jobs=2)(delayed(total)(v) for v in (x.T, x[::-1])) == [pytest.approx(x.sum())] * 2
 
@@ -416,7 +416,7 @@ def test_views_of_an_array_held_once_read_its_file():
 def test_unreadable_page_flags_mean_a_plain_dump_never_stale_data(monkeypatch):
     x = big()
     Parallel(n_jobs=2)(delayed(total)(x) for _ in range(2))
-    assert _promotion.lookup(x) is not None
+    assert _held_once.lookup(x) is not None
 
     def unreadable(first_page, end):
         raise PermissionError(13, "Permission denied: /proc/self/pagemap")
@@ -434,7 +434,7 @@ def test_two_threads_promoting_one_array_make_one_file(mechanism):
 
     def promote():
         barrier.wait()
-        records.append(_promotion.promote(arrays[0])[0])
+        records.append(_held_once.hold(arrays[0])[0])
 
     threads = [threading.Thread(target=promote) for _ in range(2)]
     for thread in threads:
@@ -450,11 +450,11 @@ def test_two_threads_promoting_one_array_make_one_file(mechanism):
 
 def test_an_array_held_once_costs_at_most_one_descriptor(mechanism):
     arrays = [big(34, seed=seed) for seed in range(7)]
-    _promotion.promote(arrays.pop())  # the first one may start the folder's watchdog (a pipe)
+    _held_once.hold(arrays.pop())  # the first one may start the folder's watchdog (a pipe)
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for array in arrays:
-        _promotion.promote(array)
+        _held_once.hold(array)
     del array
     grown = len(os.listdir("/proc/self/fd")) - before
     assert grown == (len(arrays) if mechanism == "memfd" else 0)

@@ -1,10 +1,10 @@
 """The command line: ``python -m memshare {doctor,clean,bench}`` (or the ``memshare`` script), ``--version``.
 
-``doctor`` checks the machine (see ``_doctor``); ``clean`` removes the folders
+``doctor`` checks the machine (see ``doctor``); ``clean`` removes the folders
 of owners that died without cleaning up (killed together with their watchdog,
 or a machine that lost power mid-cleanup), on local file systems unless given
 ``--network-fs``, and never another host's; ``bench`` hands its arguments to
-``memshare._bench``. Usage lines name the command as it was invoked. Exit
+``memshare._tools.bench``. Usage lines name the command as it was invoked. Exit
 status: 0 when all is well, 1 when doctor found a problem or clean could not
 remove something, 2 for usage errors.
 """
@@ -16,12 +16,12 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
-from ._config import format_bytes, parse_max_nbytes
-from ._doctor import run_doctor
-from ._location import SHM_ROOT, network_fstype
-from ._owners import OWNER_ALIVE, OWNER_DEAD, OWNER_OTHER_HOST, OWNER_OTHER_NAMESPACE, OWNER_UNKNOWN_HOST
-from ._sweep import candidate_bases, find_folders, sweep_dead_owners
+from .. import __version__
+from .._config import format_bytes, parse_max_nbytes
+from .._location import SHM_ROOT, network_fstype
+from .._owners import OWNER_ALIVE, OWNER_DEAD, OWNER_OTHER_HOST, OWNER_OTHER_NAMESPACE, OWNER_UNKNOWN_HOST
+from .._sweep import candidate_bases, find_folders, sweep_dead_owners
+from .doctor import run_doctor
 
 
 def _size(text: str) -> int:
@@ -131,9 +131,9 @@ def run(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare") 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "bench":
         # Everything after "bench" belongs to the benchmark's own parser, --help included.
-        from . import _bench
+        from . import bench
 
-        return int(_bench.main(args[1:], prog=f"{prog} bench") or 0)
+        return int(bench.main(args[1:], prog=f"{prog} bench") or 0)
     options = build_parser(prog).parse_args(args)
     if options.command == "doctor":
         return run_doctor(shm=options.shm, need=options.need)

@@ -49,7 +49,7 @@ class CallStats:
     bytes_results_by_reference: int = 0
     tasks: int = 0
     fallback_files: int = 0  # arrays and results written to the disk fallback
-    arrays_held_once: int = 0  # arrays promoted: their memory is now their shared file
+    arrays_held_once: int = 0  # arrays held once: their memory is now their shared file
     bytes_held_once: int = 0
     bytes_refreshed: int = 0  # bytes of arrays held once written again because the parent changed them
     results_pickled_no_room: int = 0  # results sent by value because no file had room

@@ -1,7 +1,7 @@
 """The Linux memory facts and calls behind arrays held once: malloc chunks, page flags, remapping.
 
 Everything here works on raw addresses of this process, so every function
-checks what it can before touching memory, and the caller (``_promotion``)
+checks what it can before touching memory, and the caller (``_held_once``)
 only passes ranges inside an array it holds a reference to. The two steps
 that must not be split by a thread switch (write a range into the file, then
 map the file over it) are one call of the C helper ``memshare._remap``, which

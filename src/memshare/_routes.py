@@ -16,7 +16,7 @@ from typing import Callable, Container, Optional
 
 import numpy as np
 
-from ._promotion import mode_unfit_reason
+from ._held_once import mode_unfit_reason
 from ._refs import DUMP, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
 
 # Arguments (input_route):

@@ -32,8 +32,8 @@ import platform
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import _compat, _memfd, _watchdog
-from ._config import (
+from .. import _compat, _memfd, _watchdog
+from .._config import (
     ENV_PROMOTE,
     Settings,
     check_mmap_mode,
@@ -44,8 +44,9 @@ from ._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from ._held_memory import unsupported_reason
-from ._location import (
+from .._held_memory import unsupported_reason
+from .._held_once import mode_unfit_reason
+from .._location import (
     SHM_ROOT,
     Location,
     choose_location,
@@ -55,9 +56,8 @@ from ._location import (
     mount_fstype,
     read_mountinfo,
 )
-from ._owners import OWNER_ALIVE, OWNER_DEAD
-from ._promotion import mode_unfit_reason
-from ._sweep import candidate_bases, find_folders, folder_size
+from .._owners import OWNER_ALIVE, OWNER_DEAD
+from .._sweep import candidate_bases, find_folders, folder_size
 
 GIB = 1024**3
 #: Below this, shared memory is too small for typical workloads; Docker's 64 MiB default is far below it.
@@ -315,7 +315,7 @@ def settings_in_force() -> InForce:
 def held_once_reason(settings: Settings, location: Location, promote_source: str = "promote=False") -> Optional[str]:
     """Why large ordinary arrays are not held once under ``settings``; None when they are.
 
-    The settings' part of ``_promotion.unfit_reason`` (the rest is about
+    The settings' part of ``_held_once.unfit_reason`` (the rest is about
     each array: its allocator, layout and size); a test keeps the two in step.
     """
     unsupported = unsupported_reason()

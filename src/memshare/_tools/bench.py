@@ -1,6 +1,6 @@
 """``python -m memshare bench``: memshare against joblib, quick by default.
 
-The harness ships with the package (``memshare._benchmarks``), so the command
+The harness ships with the package (``memshare._tools.benchmarks``), so the command
 works from any folder after a plain ``pip install``; ``benchmarks/run.py`` in
 the repository is the full-run entry point over the same harness. Its optional
 dependencies (matplotlib for ``--plot`` and the default run's picture,
@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare b
     machine) and without ``--workloads`` the main workloads run, so the
     default run takes a few minutes.
     """
-    from ._benchmarks import harness
+    from .benchmarks import harness
 
     return harness.main(
         list(sys.argv[2:] if argv is None else argv),

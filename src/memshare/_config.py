@@ -193,7 +193,7 @@ class Settings:
     max_nbytes: Optional[int] = 1024**2
     mmap_mode: str = "r"
     temp_folder: Optional[str] = None
-    promote: bool = True  # hold large ordinary arrays once (see _promotion)
+    promote: bool = True  # hold large ordinary arrays once (see _held_once)
 
     @classmethod
     def from_user(
