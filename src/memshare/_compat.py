@@ -99,6 +99,11 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: _has(_joblib_parallel, "_backend") and isinstance(_joblib_parallel.default_parallel_config, dict),
     ),
     (
+        "joblib BatchedCalls.items",
+        "a large object passed to many tasks is pickled once per call: memshare finds the calls' arguments",
+        lambda: _uses_attribute(_joblib_parallel.BatchedCalls, "items"),
+    ),
+    (
         "joblib AutoBatchingMixin._effective_batch_size",
         "a batch that would dump too much is made smaller, and joblib then measures batches of that size",
         lambda: _uses_attribute(_joblib_parallel.AutoBatchingMixin, "_effective_batch_size"),
@@ -254,6 +259,17 @@ def parallel_config_options() -> Dict[str, Any]:
     if not isinstance(config, dict):
         return {}
     return {key: value for key, value in config.items() if value is not defaults.get(key)}
+
+
+def batched_calls(task: Any) -> Optional[List[Tuple[Any, tuple, dict]]]:
+    """The ``(function, args, kwargs)`` calls of a joblib batch; None when ``task`` is not one.
+
+    joblib sends a batch of calls as one ``BatchedCalls`` object whose
+    ``items`` (an attribute its docs do not name) lists them.
+    """
+    if isinstance(task, _joblib_parallel.BatchedCalls):
+        return getattr(task, "items", None)
+    return None
 
 
 def set_auto_batch_size(backend: Any, batch_size: int) -> None:
@@ -511,6 +527,7 @@ __all__ = [
     "Check",
     "PoolWithHooks",
     "drain_task_queue",
+    "batched_calls",
     "drop_ready_batches",
     "fail_pool_result",
     "failed_checks",

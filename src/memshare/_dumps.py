@@ -17,7 +17,7 @@ import pickle
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ContextManager, Dict, KeysView, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, KeysView, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ._folders import FolderPair, delete_file
 from ._identity import IdentityTable
 from ._mapping import map_file, view_of
 from ._refs import DUMP, ArrayRef, data_address
-from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision
+from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision, log_object_decision
 
 # Comparing an array with its dump runs at about 0.15 s/GiB on two threads
 # (0.14-0.19 s measured for 1 GiB of float64 on a 2-core machine; 0.17 s on
@@ -48,6 +48,15 @@ class _Dump:
 
 
 @dataclass
+class _ObjectDump:
+    """One argument object pickled once in this generation: its dump, the object, what its payload needs."""
+
+    entry: _Dump
+    obj: Any  # kept: its id() names it for the call, and must not be reused by another object meanwhile
+    needs: Any  # what the payload references (its own dumps...), released with it through ``release_needs``
+
+
+@dataclass
 class _BufferDump:
     """One out-of-band buffer dumped in this session: its dump, and the export that keeps its memory."""
 
@@ -58,9 +67,24 @@ class _BufferDump:
 class DumpTable:
     """The dumps of one session, by array, by buffer memory and by path."""
 
-    def __init__(self, pair: FolderPair, stats: CallStats, lock: ContextManager) -> None:
-        """``lock`` is the session's, re-entrant: taken here only by the callback of a collected array."""
+    def __init__(
+        self,
+        pair: FolderPair,
+        stats: CallStats,
+        lock: ContextManager,
+        release_needs: Callable[[Any], None] = lambda needs: None,
+    ) -> None:
+        """``lock`` is the session's, re-entrant: taken here only by the callback of a collected array.
+
+        ``release_needs`` lets go of what an object's payload references
+        (the ``needs`` given to :meth:`dump_object`) once its dump is forgotten.
+        """
         self._pair = pair
+        self._release_needs = release_needs
+        # Argument objects pickled once, by the path of their dump (this generation's and earlier
+        # ones' still read by pending tasks); this generation's by id() of the object.
+        self._objects: Dict[str, _ObjectDump] = {}
+        self._current_objects: Dict[int, str] = {}
         self._stats = stats
         self._lock = lock
         # An array is keyed by its identity, never by its content. The weak
@@ -90,9 +114,10 @@ class DumpTable:
         the lock is taken only when there are buffers to let go of.
         """
         self.generation = next(self._generations)
-        if self._buffers:
+        if self._buffers or self._current_objects:
             with self._lock:
                 self._new_buffer_generation()
+                self._forget_objects()
 
     # -- arrays --------------------------------------------------------------
 
@@ -172,6 +197,67 @@ class DumpTable:
         self._use(entry, files)
         return _in_mode(entry.ref, mode)
 
+    # -- argument objects ------------------------------------------------------
+
+    def object_dump(self, obj: Any, files: List[str]) -> Optional[ArrayRef]:
+        """The dump of ``obj``'s payload made in this generation, now used by one more task; None if there is none."""
+        held = self._current_object(obj)
+        if held is None:
+            return None
+        self._use(held.entry, files)
+        return held.entry.ref
+
+    def dump_object(self, obj: Any, payload: bytes, needs: Any, files: List[str]) -> ArrayRef:
+        """Write ``obj``'s payload (pickled on its own) to a dump, read-only, for the tasks of this generation.
+
+        The object is pickled once per generation: a later call pickles it
+        again, since it may have changed in between (nothing says when a
+        Python object changes). The entry keeps the object, so that its
+        ``id()`` names nothing else while the dump is current, and ``needs``
+        (what its payload references), released with the dump. Should
+        another thread have dumped the same object meanwhile, its dump serves
+        and this payload's ``needs`` are released.
+        """
+        held = self._current_object(obj)
+        if held is not None:
+            self._release_needs(needs)
+        else:
+            raw = np.frombuffer(payload, np.uint8)
+            self._evict_idle(limit=self._pending_bytes())
+            ref, seconds = dump_array(self._pair, raw, DUMP, "r")
+            held = _ObjectDump(_Dump(ref=ref, generation=self.generation), obj, needs)
+            self._objects[ref.path] = held
+            self._current_objects[id(obj)] = ref.path
+            self._by_path[ref.path] = held.entry
+            self._stats.add(objects_dumped=1, bytes_objects_dumped=raw.nbytes, dump_seconds=seconds)
+            if self._pair.is_fallback(ref.path):
+                self._stats.add(fallback_files=1)
+            log_object_decision(DUMPED, raw.nbytes, obj, ref.path, seconds)
+        self._use(held.entry, files)
+        return held.entry.ref
+
+    def _current_object(self, obj: Any) -> Optional[_ObjectDump]:
+        path = self._current_objects.get(id(obj))
+        held = self._objects.get(path) if path is not None else None
+        return held if held is not None and held.obj is obj else None
+
+    def _forget_objects(self) -> None:
+        """A new generation: no object dumped before is named again; dumps no pending task reads go now."""
+        for path in list(self._current_objects.values()):
+            held = self._objects[path]
+            if held.entry.pending == 0:
+                self._forget_object(path)
+            else:
+                held.entry.alive = False  # deleted when its last task is done (see release)
+        self._current_objects.clear()
+
+    def _forget_object(self, path: str) -> None:
+        held = self._objects.pop(path)
+        if self._current_objects.get(id(held.obj)) == path:
+            del self._current_objects[id(held.obj)]
+        self._delete_file(held.entry)
+        self._release_needs(held.needs)
+
     def _new_buffer_generation(self) -> None:
         """At the first buffer of a new generation: forget the buffers of earlier ones that no task reads.
 
@@ -219,6 +305,12 @@ class DumpTable:
                 continue
             entry.pending -= 1
             if entry.pending > 0:
+                continue
+            if path in self._objects:
+                # As a buffer: one used by a single task goes at once; one that a new
+                # generation passed over goes with its last task.
+                if entry.uses < 2 or not entry.alive:
+                    self._forget_object(path)
                 continue
             key = self._buffer_keys.get(path)
             if key is not None:
@@ -272,6 +364,10 @@ class DumpTable:
         self._by_array.clear()
         self._by_path.clear()
         self._idle.clear()
+        for held in self._objects.values():
+            self._release_needs(held.needs)
+        self._objects.clear()
+        self._current_objects.clear()
         self._buffers.clear()  # their files went above; this releases their exports
         self._buffer_keys.clear()
         self._buffers_in_band.clear()

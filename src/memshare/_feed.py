@@ -59,6 +59,14 @@ class MapChunk:
             return [self.func(*item) for item in items]
         return [self.func(item) for item in items]
 
+    def arguments_of(self, items: List) -> Iterator[Any]:
+        """The objects the chunk passes to ``func``: each item, or each element of each item for ``starmap``."""
+        for item in items:
+            if self.star:
+                yield from item
+            else:
+                yield item
+
 
 def run_or_return(task: Any) -> Any:
     """The function pool workers run: a task, or a placeholder returned as it is."""

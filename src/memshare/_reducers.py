@@ -47,7 +47,7 @@ import pickle
 import struct
 import sys
 import types
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -56,6 +56,9 @@ from ._compat import pandas_array_state
 from ._mapping import array_from_ref
 from ._protocol import ResultSpec, Slot
 from ._refs import ArrayRef
+
+#: Bytes of a payload: ``bytes``, or a view of a mapped file.
+Buffer = Union[bytes, memoryview, np.ndarray]
 
 #: A pickle reduction, as ``__reduce__`` returns it: (callable, arguments).
 Reduction = Tuple[Callable[..., Any], tuple]
@@ -189,12 +192,39 @@ class _SlotPickler(_Pickler):
         return None
 
 
+class _ObjectPickler(_Pickler):
+    """A pickler that names each object of ``pack``'s ``objects`` by its index instead of pickling it."""
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        reduce_array: Callable[[np.ndarray], Optional[Reduction]],
+        indices: Dict[int, int],
+        reducers: Optional[Reducers] = None,
+        buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
+        on_object: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        super().__init__(file, reduce_array, reducers, buffer_callback)
+        self._indices = indices
+        self._on_object = on_object
+
+    def persistent_id(self, obj: Any) -> Optional[Tuple[str, int]]:
+        index = self._indices.get(id(obj))
+        if index is None:
+            return None
+        if self._on_object is not None:
+            self._on_object(index)
+        return ("object", index)
+
+
 def pack(
     obj: Any,
     reduce_array: Callable[[np.ndarray], Optional[Reduction]],
     slot_of: Optional[Callable[[np.ndarray], Optional[int]]] = None,
     reducers: Optional[Reducers] = None,
     reduce_buffer: Optional[ReduceBuffer] = None,
+    objects: Sequence[Tuple[Any, Any]] = (),
+    on_object: Optional[Callable[[int], None]] = None,
 ) -> bytes:
     """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead.
 
@@ -202,6 +232,11 @@ def pack(
     are memshare's business: a reducer given for ``np.ndarray`` is not used.
     ``reduce_buffer`` may take each out-of-band buffer out of the stream (see
     the module's docstring); None keeps every buffer in the stream.
+    ``objects`` are (object, placeholder) pairs of argument objects pickled
+    on their own (see ``_session``): wherever the stream meets one of these
+    objects, it names its placeholder instead (the ``ArrayRef`` of the dump of
+    its payload), which :func:`unpack` turns back into one object;
+    ``on_object`` is told the index of each one met.
     """
     buffer = io.BytesIO()
     placeholders: List[Any] = []
@@ -215,24 +250,41 @@ def pack(
             placeholders.append(placeholder)
             return False
 
-    if slot_of is None:
-        pickler = _Pickler(buffer, reduce_array, reducers, callback)
+    if slot_of is not None:
+        pickler: _Pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers, callback)
+    elif objects:
+        indices = {id(o): i for i, (o, _) in enumerate(objects)}
+        pickler = _ObjectPickler(buffer, reduce_array, indices, reducers, callback, on_object)
     else:
-        pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers, callback)
+        pickler = _Pickler(buffer, reduce_array, reducers, callback)
     pickler.dump(obj)
-    if not placeholders:
+    if not placeholders and not objects:
         return buffer.getvalue()
-    header = pickle.dumps(placeholders, protocol=5)
+    header = pickle.dumps((placeholders, [placeholder for _, placeholder in objects]), protocol=5)
     return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header)), header, buffer.getbuffer()))
 
 
-def _open_envelope(stream: bytes) -> Tuple[Optional[List[Any]], memoryview]:
-    """(placeholders, stream) of a payload; placeholders None for a plain stream."""
-    view = memoryview(stream)
-    if not stream.startswith(_ENVELOPE):
+def with_objects(payload: bytes, placeholders: Sequence[Any]) -> bytes:
+    """``payload`` (packed with ``objects``) with the objects it names standing for ``placeholders`` instead.
+
+    The stream names objects by index: only the envelope's list changes, so
+    a payload measured with stand-ins can be sent without pickling it again.
+    """
+    header, body = _open_envelope(payload)
+    if header is None:
+        raise ValueError("memshare: this payload names no objects")
+    buffers, _ = header
+    header_bytes = pickle.dumps((buffers, list(placeholders)), protocol=5)
+    return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header_bytes)), header_bytes, body))
+
+
+def _open_envelope(stream: Buffer) -> Tuple[Optional[Tuple[List[Any], List[Any]]], memoryview]:
+    """((buffer placeholders, object placeholders), stream) of a payload; None for a plain stream."""
+    view = memoryview(stream).cast("B")
+    if view[: len(_ENVELOPE)] != _ENVELOPE:
         return None, view
     start = len(_ENVELOPE) + _HEADER_LENGTH.size
-    (length,) = _HEADER_LENGTH.unpack_from(stream, len(_ENVELOPE))
+    (length,) = _HEADER_LENGTH.unpack_from(view, len(_ENVELOPE))
     return pickle.loads(view[start : start + length]), view[start + length :]
 
 
@@ -240,7 +292,12 @@ def _open_envelope(stream: bytes) -> Tuple[Optional[List[Any]], memoryview]:
 LoadSlot = Callable[[Slot], np.ndarray]
 
 
-def unpack(stream: bytes, slots: Sequence[Slot] = (), load_slot: Optional[LoadSlot] = None) -> Any:
+def unpack(
+    stream: Buffer,
+    slots: Sequence[Slot] = (),
+    load_slot: Optional[LoadSlot] = None,
+    loaded_objects: Optional[Dict[str, Any]] = None,
+) -> Any:
     """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
 
     ``load_slot`` turns a slot into its array (needed when ``slots`` is not
@@ -250,16 +307,20 @@ def unpack(stream: bytes, slots: Sequence[Slot] = (), load_slot: Optional[LoadSl
     a task argument's dump mapped through the worker's cache (read-only
     unless the call's mode says otherwise), a result's slot loaded like any
     other. The buffers are views of those mappings, no copy; each keeps its
-    mapping alive.
+    mapping alive. The argument objects it names are unpickled from their
+    dumps, each once per ``loaded_objects`` (one table per task, shared with
+    the payloads of those objects).
     """
-    placeholders, body = _open_envelope(stream)
-    if not slots and placeholders is None:
-        return pickle.loads(stream)
+    header, body = _open_envelope(stream)
+    if not slots and header is None:
+        return pickle.loads(body)
     slot = _Slots(slots, load_slot)
-    buffers = None
-    if placeholders is not None:
+    buffers, objects = None, None
+    if header is not None:
+        placeholders, object_placeholders = header
         buffers = [memoryview(_rebuild_input(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
-    return _SlotUnpickler(io.BytesIO(body), slot, buffers).load()
+        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects)
+    return _SlotUnpickler(io.BytesIO(body), slot, buffers, objects).load()
 
 
 class _Slots:
@@ -280,14 +341,41 @@ class _Slots:
         return self._loaded[pid]
 
 
-class _SlotUnpickler(pickle.Unpickler):
-    """Turns each slot number of the stream into its array, and reads out-of-band buffers from ``buffers``."""
+class _Objects:
+    """The argument objects a payload names, each unpickled from its dump once per task.
 
-    def __init__(self, file: io.BytesIO, slot: _Slots, buffers: Optional[List[memoryview]]) -> None:
+    ``loaded`` is the task's, shared by the payloads of its objects (an
+    object's payload may name another object): an object that the task's
+    arguments reach from several places is one object in the worker, as
+    pickle's memo makes it within one stream. Each task unpickles its own:
+    a task that changes an argument object changes its own copy only.
+    """
+
+    def __init__(self, placeholders: Sequence[ArrayRef], loaded: Dict[str, Any]) -> None:
+        self._placeholders = placeholders
+        self._loaded = loaded  # dump path -> the object unpickled from it in this task
+
+    def __call__(self, index: int) -> Any:
+        ref = self._placeholders[index]
+        if ref.path not in self._loaded:
+            # The dump of the object's payload, mapped read-only through the worker's cache.
+            self._loaded[ref.path] = unpack(_rebuild_input(ref), loaded_objects=self._loaded)
+        return self._loaded[ref.path]
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    """Turns slot numbers and argument objects of the stream into their values; buffers come from ``buffers``."""
+
+    def __init__(
+        self, file: io.BytesIO, slot: _Slots, buffers: Optional[List[memoryview]], objects: Optional[_Objects] = None
+    ) -> None:
         super().__init__(file, buffers=buffers)
         self._slot = slot
+        self._objects = objects
 
-    def persistent_load(self, pid: Any) -> np.ndarray:
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is tuple and self._objects is not None:
+            return self._objects(pid[1])
         return self._slot(pid)
 
 
@@ -333,4 +421,5 @@ __all__ = [
     "pack",
     "pack_result",
     "unpack",
+    "with_objects",
 ]

@@ -11,8 +11,9 @@ world at that moment (room, descriptors, a failed link) says no.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
-from typing import Callable, Container, Optional
+from typing import Any, Callable, Container, Optional
 
 import numpy as np
 
@@ -47,6 +48,10 @@ HAND_OVER = "hand-over"
 RESULT_FILE = "result-file"
 #: Small arrays, object dtypes, empty arrays: in the stream.
 BY_VALUE = "by-value"
+# Argument objects (object_route):
+#: An argument object that pickles to at least ``max_nbytes``: pickled once per call into a
+#: dump, which each task that passes it unpickles (a fresh object per task).
+OBJECT_DUMP = "object-dump"
 
 
 @dataclass(frozen=True)
@@ -200,3 +205,77 @@ def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:
     if max_nbytes is None or array.nbytes <= max_nbytes:
         return Route(BY_VALUE)
     return Route(RESULT_FILE)
+
+
+#: Types whose instances are never argument objects of their own: scalars and text (pickled in
+#: place, at memcpy speed), arrays (routed one by one), and code (functions, classes, modules).
+_NEVER_OBJECTS = (
+    type(None), bool, int, float, complex, str, bytes, slice, range,
+    np.ndarray, np.memmap, np.generic, np.dtype,
+    type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+)  # fmt: skip
+#: How many objects :func:`object_candidate` looks at before it calls an argument a candidate.
+_LOOK_AT = 64
+
+
+def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
+    """True when the argument ``obj`` may pickle to ``max_nbytes`` or more: then pickle it alone to know.
+
+    Cheap and conservative: a walk of at most ``_LOOK_AT`` objects through
+    built-in containers, scalars, text and arrays, adding an upper bound of
+    each one's pickled size (large arrays count as references, which they
+    travel as), says "surely smaller" or gives up. Anything else (a class
+    instance: a DataFrame, a fitted model) is a candidate. Scalars, text,
+    arrays and code are never candidates themselves.
+    """
+    if max_nbytes is None or isinstance(obj, _NEVER_OBJECTS):
+        return False
+    return not _surely_smaller(obj, max_nbytes)
+
+
+def _surely_smaller(obj: Any, limit: int) -> bool:
+    pending, budget, total = [obj], _LOOK_AT, 0
+    while pending:
+        item = pending.pop()
+        budget -= 1
+        if budget < 0:
+            return False
+        kind = type(item)
+        if item is None or kind in (bool, float, complex):
+            total += 24
+        elif kind is int:
+            total += 16 + item.bit_length() // 8
+        elif kind is str:
+            total += 16 + 4 * len(item)  # UTF-8: at most 4 bytes a character
+        elif kind in (bytes, bytearray):
+            total += 16 + len(item)
+        elif kind in (list, tuple, set, frozenset):
+            if len(item) > budget:
+                return False
+            total += 16
+            pending.extend(item)
+        elif kind is dict:
+            if 2 * len(item) > budget:
+                return False
+            total += 16
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif kind is np.ndarray:
+            total += 256 + (item.nbytes if item.nbytes < limit else 0)
+        else:
+            return False
+        if total >= limit:
+            return False
+    return True
+
+
+def object_route(nbytes: int, max_nbytes: Optional[int]) -> Route:
+    """How an argument object that pickled alone to ``nbytes`` travels.
+
+    ``OBJECT_DUMP`` from ``max_nbytes`` on (at, as buffers), so that it is
+    pickled once per call however many tasks pass it; ``PICKLE`` otherwise:
+    its pickle goes in the task's own payload.
+    """
+    if max_nbytes is None or nbytes < max_nbytes:
+        return Route(PICKLE)
+    return Route(OBJECT_DUMP)

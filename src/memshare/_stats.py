@@ -57,6 +57,8 @@ class CallStats:
     bytes_buffers_dumped: int = 0
     buffers_pickled: int = 0  # out-of-band buffers of arguments kept in the task payloads: small
     bytes_buffers_pickled: int = 0
+    objects_dumped: int = 0  # argument objects pickled once per call into shared memory (large dicts, models...)
+    bytes_objects_dumped: int = 0
     _lock: threading.Lock = field(default_factory=_forksafe.lock, repr=False, compare=False)
 
     def as_dict(self) -> Dict[str, float]:
@@ -77,6 +79,7 @@ class CallStats:
             f"{self.arrays_pickled} pickled ({_mib(self.bytes_pickled)} of task payloads); "
             f"{self.buffers_dumped} buffers dumped ({_mib(self.bytes_buffers_dumped)}), "
             f"{self.buffers_pickled} pickled ({_mib(self.bytes_buffers_pickled)}); "
+            f"{self.objects_dumped} argument objects pickled once ({_mib(self.bytes_objects_dumped)}); "
             f"{self.results_by_reference} results returned by reference "
             f"({_mib(self.bytes_results_by_reference)})"
         )
@@ -100,6 +103,15 @@ def log_buffer_decision(
     """Log what became of an out-of-band buffer of ``nbytes`` offered by ``exporter`` (once per call)."""
     if logger.isEnabledFor(logging.DEBUG):
         _log(describe_buffer(nbytes, exporter), decision, where, seconds)
+
+
+def log_object_decision(
+    decision: str, nbytes: int, obj: object, where: Optional[str] = None, seconds: Optional[float] = None
+) -> None:
+    """Log what became of an argument object whose pickle weighs ``nbytes`` (once per call)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        what = f"argument object {type(obj).__module__}.{type(obj).__qualname__} pickled size={_mib(nbytes)}"
+        _log(what, decision, where, seconds)
 
 
 def log_decision(
@@ -160,8 +172,10 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     and ``bytes_buffers_dumped`` (out-of-band buffers of arguments, such as
     pyarrow's behind Arrow-backed pandas columns, written once to shared
     memory), ``buffers_pickled`` and ``bytes_buffers_pickled`` (such
-    buffers small enough to stay in the task payloads). None before the
-    first call ends.
+    buffers small enough to stay in the task payloads), ``objects_dumped``
+    and ``bytes_objects_dumped`` (argument objects, such as a large dict,
+    pickled once per call into shared memory instead of into every task's
+    payload). None before the first call ends.
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()
