@@ -312,3 +312,20 @@ def test_parallel_config_settings_are_honoured(tmp_path):
     assert data[0] == 0.0  # copy-on-write: the writes stayed in the workers
     with pytest.raises(ValueError, match="read-only"):
         Parallel(n_jobs=2)(delayed(write_and_sum)(data) for _ in range(2))  # default 'r'
+
+
+def _thread_name(_):
+    import threading
+
+    return threading.current_thread().name, os.getpid()
+
+
+@pytest.mark.parametrize("asks", [{"prefer": "threads"}, {"require": "sharedmem"}])
+def test_a_call_that_asks_for_threads_gets_joblibs_threads(asks):
+    ours = memshare.Parallel(n_jobs=2, **asks)(memshare.delayed(_thread_name)(i) for i in range(4))
+    assert {pid for _, pid in ours} == {os.getpid()}  # threads of this process, as joblib.Parallel gives
+    # Named explicitly, memshare's backend is still used for the rest.
+    assert (
+        memshare.Parallel(n_jobs=2, prefer="processes")(memshare.delayed(os.getpid)() for _ in range(2))
+        != [os.getpid()] * 2
+    )

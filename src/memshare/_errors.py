@@ -23,10 +23,11 @@ class SharedMemoryFullError(OSError):
 
 
 class SharedMemoryFallbackWarning(UserWarning):
-    """An array took a slower way because shared memory was full.
+    """Shared data took a slower way, or lives on disk.
 
-    It went to the disk temp folder, or, for a result that fitted in no file
-    at all, was pickled back to the parent.
+    An array went to the disk temp folder because shared memory was full, a
+    result that fitted in no file at all was pickled back to the parent, or
+    the temp folder the user chose is on a disk file system.
     """
 
 

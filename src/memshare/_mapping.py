@@ -151,8 +151,8 @@ def map_descriptor(fd: int, length: int, mode: str = "r+") -> np.ndarray:
 
     On Python 3.13+ this is ``mmap.mmap(..., trackfd=False)``; before, the C
     library's ``mmap`` through ctypes, owned by a small object whose
-    ``__del__`` unmaps. Where neither exists, ``mmap.mmap`` keeps its
-    duplicate descriptor as before. ``length`` 0 maps nothing (an empty
+    ``__del__`` unmaps. Where neither exists, ``mmap.mmap`` keeps a
+    duplicate descriptor. ``length`` 0 maps nothing (an empty
     array: mmap refuses empty mappings). ``length`` must not exceed the
     file's size: a page wholly past its end faults (SIGBUS) when touched.
     """

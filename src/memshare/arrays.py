@@ -1,7 +1,7 @@
 """Arrays that live in shared memory from the start.
 
-Automatic dumping copies an array into shared memory once per call, and the
-original stays in the parent. An array made by :func:`empty`, :func:`zeros`,
+Automatic dumping copies an array into shared memory once per call (and, on
+Linux, holds a large ordinary array once: see ``_held_once``). An array made by :func:`empty`, :func:`zeros`,
 :func:`full` or :func:`share` has its memory in a shared file from the start:
 passing it, or any view of it, to ``MemmappingPool`` or the ``"memshare"``
 backend costs no dump and no copy, whatever its size and in any number of
@@ -62,7 +62,7 @@ def _check_order(order: str) -> str:
 
 
 def empty(shape: ShapeLike, dtype: Any = float, order: str = "C") -> np.ndarray:
-    """A new array in shared memory. Its memory starts zeroed (it is a fresh tmpfs file)."""
+    """A new array in shared memory. Its memory starts zeroed (a new memfd or tmpfs file)."""
     return new_shared_array(_check_shape(shape), _check_dtype(dtype), _check_order(order))
 
 

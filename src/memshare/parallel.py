@@ -1,7 +1,8 @@
 """``memshare.Parallel`` and ``memshare.delayed``: joblib's API, memshare's backend.
 
 ``Parallel`` is joblib's ``Parallel`` with one difference: when no backend is
-given and no ``joblib.parallel_config`` chooses one, it runs on the
+given, no ``joblib.parallel_config`` chooses one and the call does not ask
+for threads (``prefer="threads"``, ``require="sharedmem"``), it runs on the
 ``"memshare"`` backend. Every other backend name (``"dask"``, ``"loky"``,
 ``"threading"``...) passes through unchanged, so the same code can move to a
 Dask cluster with ``Parallel(backend="dask")``.
@@ -38,6 +39,18 @@ def _no_backend_chosen() -> bool:
 
 
 _JOBLIB_PARAMETERS = list(inspect.signature(joblib.Parallel.__init__).parameters)
+
+
+def _asks_for_threads(args: tuple, kwargs: dict) -> bool:
+    """True for ``prefer="threads"`` or ``require="sharedmem"``: with no backend named, joblib then uses threads.
+
+    memshare's backend runs processes, so it is not the default for a call
+    that asks for threads: joblib chooses, as it would without memshare.
+    """
+    given = dict(zip(_JOBLIB_PARAMETERS[3:], args), **kwargs)  # after self, n_jobs and backend
+    return given.get("prefer") == "threads" or given.get("require") == "sharedmem"
+
+
 _MAX_NBYTES_DEFAULT = inspect.signature(joblib.Parallel.__init__).parameters["max_nbytes"].default
 
 
@@ -77,7 +90,7 @@ class Parallel(joblib.Parallel):
     """
 
     def __init__(self, n_jobs=None, backend=None, *args, progress: bool = False, **kwargs):
-        if backend is None and _no_backend_chosen():
+        if backend is None and _no_backend_chosen() and not _asks_for_threads(args, kwargs):
             backend = BACKEND_NAME
         args, kwargs = _with_max_nbytes_parsed(args, kwargs)
         super().__init__(n_jobs, backend, *args, **kwargs)
