@@ -14,16 +14,13 @@ import functools
 import itertools
 import os
 import pickle
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import _forksafe, _held_once
 from ._adopt import restore, restore_with_memfds
-from ._broadcast import Broadcast
-from ._compat import batched_calls
 from ._config import Settings
 from ._dumps import DumpTable
 from ._errors import UnpicklableArgumentError
@@ -31,8 +28,9 @@ from ._folder_warnings import warn_fallback, warn_result_pickled
 from ._handoff import Inbox
 from ._held_memory import PAGE, changed_pages
 from ._identity import IdentityTable
+from ._objects import Carrier, ObjectPacker, task_arguments
 from ._protocol import Outcome, ResultSpec, Task
-from ._reducers import Reducers, Reduction, input_reduction, pack, with_objects
+from ._reducers import Reducers, Reduction, input_reduction, pack
 from ._refs import SHARED, ArrayRef, data_address, root_array
 from ._routes import (
     DUMP_BASE,
@@ -42,17 +40,10 @@ from ._routes import (
     Route,
     buffer_route,
     input_route,
-    object_candidate,
-    object_route,
     view_in_dump,
 )
 from ._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_decision, logger, record_finished
 from ._temp_folder import TempFolder
-
-#: Argument objects of a call remembered as pickling small (see Session._pack_objects).
-_SMALL_OBJECTS = 256
-#: What an array or buffer that would leave the stream weighs while an object is measured.
-_PLACEHOLDER: Reduction = (int, ())
 
 
 @dataclass
@@ -91,9 +82,20 @@ class Session:
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
-        # Argument objects of this call found to pickle small, by id(), kept (so that the id names
-        # nothing else meanwhile) and bounded: an object passed to many tasks is pickled alone once.
-        self._small: OrderedDict[int, Any] = OrderedDict()
+        self._objects = ObjectPacker(
+            Carrier(
+                settings,
+                self._reducers,
+                self._lock,
+                self._dumps,
+                new_record=_TaskRecord,
+                reduce_argument=self._reduce_argument,
+                reduce_buffer=self._reduce_buffer,
+                abandon=self._abandon,
+                check_open=self._check_open,
+                route_of=self._route_of,
+            )
+        )
         self._closed = False
         self._inbox = self._open_inbox()
         self._results = ResultSpec(
@@ -118,12 +120,7 @@ class Session:
     def new_generation(self) -> None:
         """Mark the start of a new call: reused arrays get checked for changes, earlier calls' buffers go."""
         self._dumps.new_generation()
-        self._small.clear()  # an object may have grown since
-
-    def _remember_small(self, argument: Any) -> None:
-        self._small[id(argument)] = argument
-        while len(self._small) > _SMALL_OBJECTS:
-            self._small.popitem(last=False)
+        self._objects.new_generation()
 
     # -- tasks ---------------------------------------------------------------
 
@@ -148,7 +145,7 @@ class Session:
             reduce_buffer = functools.partial(self._reduce_buffer, record)
         kwargs = kwargs or {}
         try:
-            objects = self._pack_objects(_task_arguments(func, args, kwargs), record)
+            objects = self._objects.pack(task_arguments(func, args, kwargs), record)
             stream = pack(
                 (func, args, kwargs),
                 reduce_array,
@@ -177,140 +174,6 @@ class Session:
             self._tasks[token] = record
             self.stats.add(tasks=1, bytes_pickled=len(stream))
         return Task(token, stream, self._results)
-
-    def _pack_objects(self, arguments: Iterable[Any], record: _TaskRecord) -> List[Tuple[Any, ArrayRef]]:
-        """The large argument objects of a task, each with the dump of its payload, pickled once per call.
-
-        An argument that may pickle large (``_routes.object_candidate``) is
-        measured first by a pickling pass that changes nothing
-        (:meth:`_measure`). From ``max_nbytes`` on (``OBJECT_DUMP``) it is
-        pickled for real, alone, into a dump that every task of the call
-        passing the same object reads; the task's stream, and the payloads of
-        other large objects, name that dump wherever they meet the object, so
-        that the worker unpickles it once per task, as one object however many
-        places reach it. Smaller candidates stay in the task's stream, and are
-        remembered as small for the rest of the call.
-        """
-        max_nbytes = self.settings.max_nbytes
-        candidates: List[Any] = []
-        for argument in _with_parts(arguments):
-            if isinstance(argument, Broadcast) or not object_candidate(argument, max_nbytes):
-                continue
-            if all(argument is not other for other in candidates):
-                candidates.append(argument)
-        if not candidates:
-            return []
-        dumped: Dict[int, Tuple[Any, ArrayRef]] = {}
-        new: List[Any] = []
-        with self._lock:
-            self._check_open()
-            for candidate in candidates:
-                ref = self._dumps.object_dump(candidate, record.files)
-                if ref is not None:
-                    dumped[id(candidate)] = (candidate, ref)
-                elif self._small.get(id(candidate)) is not candidate:
-                    new.append(candidate)
-        large: List[Any] = []
-        refers: Dict[int, List[int]] = {}
-        measured: Dict[int, Optional[bytes]] = {}
-        for candidate in new:
-            payload, named, final = self._measure(candidate, candidates)
-            if object_route(len(payload), max_nbytes).kind == PICKLE:
-                self._remember_small(candidate)
-            else:
-                large.append(candidate)
-                refers[id(candidate)] = [id(candidates[index]) for index in named]
-                measured[id(candidate)] = payload if final else None
-        for candidate in _inner_first(large, refers):
-            inner = [dumped[key] for key in refers[id(candidate)] if key in dumped]
-            payload = measured[id(candidate)]
-            if payload is not None and len(inner) == len(refers[id(candidate)]):
-                # Nothing in it left the stream but objects now dumped: the measured payload is the
-                # payload, once its envelope names their dumps (no second pickling).
-                refs = {id(other): ref for other, ref in inner}
-                others = [other for other in candidates if other is not candidate]
-                if others:
-                    payload = with_objects(payload, [refs.get(id(other)) for other in others])
-            dumped[id(candidate)] = (candidate, self._dump_object(candidate, inner, record, payload))
-        return list(dumped.values())
-
-    def _measure(self, candidate: Any, candidates: List[Any]) -> Tuple[bytes, Set[int], bool]:
-        """``candidate`` pickled with stand-ins, the other ``candidates`` it reaches (indices), and whether
-        that payload is final.
-
-        Nothing is written or counted: each array and buffer that would leave
-        the stream (``_routes`` decides, purely) weighs a placeholder, and so
-        does each other candidate it reaches. The payload is final when no
-        array or buffer left the stream: only the objects it names then
-        differ from the real one (see :func:`~memshare._reducers.with_objects`).
-        """
-        max_nbytes = self.settings.max_nbytes
-        named: Set[int] = set()
-        left_the_stream: List[bool] = []
-
-        def measure_array(array: np.ndarray) -> Optional[Reduction]:
-            route = input_route(
-                array,
-                max_nbytes,
-                self._dumps.paths,
-                copy_on_write_unwritten,
-                promote=self.settings.promote,
-                worker_mode=self._worker_mode(),
-            )
-            if route.kind == PICKLE:
-                return None
-            left_the_stream.append(True)
-            return _PLACEHOLDER
-
-        def measure_buffer(buffer: pickle.PickleBuffer) -> Optional[int]:
-            view = memoryview(buffer)
-            if buffer_route(view.nbytes, view.contiguous, max_nbytes).kind == PICKLE:
-                return None
-            left_the_stream.append(True)
-            return 0
-
-        others = [(other, None) for other in candidates if other is not candidate]
-        payload = pack(
-            candidate,
-            measure_array,
-            reducers=self._reducers,
-            reduce_buffer=measure_buffer,
-            objects=others,
-            on_object=named.add,
-        )
-        # on_object counted indices into ``others``: turn them into indices into ``candidates``.
-        indices = [index for index, other in enumerate(candidates) if other is not candidate]
-        return payload, {indices[index] for index in named}, not left_the_stream
-
-    def _dump_object(
-        self, candidate: Any, inner: List[Tuple[Any, ArrayRef]], record: _TaskRecord, payload: Optional[bytes]
-    ) -> ArrayRef:
-        """Write ``candidate``'s payload to a dump of this call, pickling it unless ``payload`` is given already;
-        the ``inner`` objects it reaches, dumped already, are named in it, not copied.
-
-        What its payload needs (the dumps of its arrays and buffers, and of
-        the objects it names) is held by its dump's entry, not by the task.
-        """
-        needs = _TaskRecord()
-        try:
-            for other, _ in inner:
-                with self._lock:
-                    self._dumps.object_dump(other, needs.files)  # held while the candidate's dump lives
-            if payload is None:
-                payload = pack(
-                    candidate,
-                    functools.partial(self._reduce_argument, needs),
-                    reducers=self._reducers,
-                    reduce_buffer=functools.partial(self._reduce_buffer, needs),
-                    objects=inner,
-                )
-            with self._lock:
-                self._check_open()
-                return self._dumps.dump_object(candidate, payload, needs, record.files)
-        except BaseException:
-            record.error = record.error or needs.error
-            self._abandon(needs)
-            raise
 
     def _abandon(self, record: _TaskRecord) -> None:
         """Release what a task that will never be sent holds."""
@@ -357,18 +220,21 @@ class Session:
         try:
             with self._lock:
                 self._check_open()  # never a new file once the session has closed (its folder is gone)
-                route = input_route(
-                    array,
-                    self.settings.max_nbytes,
-                    self._dumps.paths,
-                    copy_on_write_unwritten,
-                    promote=self.settings.promote,
-                    worker_mode=self._worker_mode(),
-                )
-                return self._carry_out(route, array, record)
+                return self._carry_out(self._route_of(array), array, record)
         except BaseException as exc:
             record.error = exc
             raise
+
+    def _route_of(self, array: np.ndarray) -> Route:
+        """The route of an argument array under this session's settings (pure: nothing is carried out)."""
+        return input_route(
+            array,
+            self.settings.max_nbytes,
+            self._dumps.paths,
+            copy_on_write_unwritten,
+            promote=self.settings.promote,
+            worker_mode=self._worker_mode(),
+        )
 
     def _reduce_buffer(self, record: _TaskRecord, buffer: pickle.PickleBuffer) -> Optional[ArrayRef]:
         """The pickler's buffer policy for task arguments: the dump standing for ``buffer``, or None: in the stream.
@@ -470,71 +336,6 @@ class Session:
             self._inbox.close()  # descriptors of outcomes never restored go with it
         self.folder.remove()
         record_finished(self.stats)
-
-
-def _inner_first(objects: List[Any], refers: Dict[int, List[int]]) -> List[Any]:
-    """``objects`` ordered so that each comes after the ones it reaches (by ``refers``: id -> ids); cycles broken.
-
-    An object dumped after the objects it contains names them instead of
-    copying them. In a cycle, the first object met is dumped first and
-    contains a copy of the others.
-    """
-    by_id = {id(obj): obj for obj in objects}
-    ordered: List[Any] = []
-    state: Dict[int, int] = {}  # 1: being visited, 2: placed
-
-    def visit(key: int) -> None:
-        if state.get(key):
-            return  # placed, or a cycle: break it here
-        state[key] = 1
-        for inner in refers.get(key, ()):
-            if inner in by_id:
-                visit(inner)
-        state[key] = 2
-        ordered.append(by_id[key])
-
-    for obj in objects:
-        visit(id(obj))
-    return ordered
-
-
-#: A built-in container argument with at most this many items offers its items as candidates too.
-_FEW_PARTS = 16
-
-
-def _with_parts(arguments: Iterable[Any], depth: int = 2) -> Iterator[Any]:
-    """Each argument, then the items of those that are small built-in containers, ``depth`` levels down.
-
-    ``delayed(f)((table, i))`` passes a new tuple to each task: the tuple is
-    small once ``table`` in it is named, and ``table`` is the object to
-    pickle once per call.
-    """
-    for argument in arguments:
-        yield argument
-        if depth == 0:
-            continue
-        kind = type(argument)
-        if kind in (tuple, list) and len(argument) <= _FEW_PARTS:
-            yield from _with_parts(argument, depth - 1)
-        elif kind is dict and len(argument) <= _FEW_PARTS:
-            yield from _with_parts(argument.values(), depth - 1)
-
-
-def _task_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
-    """The objects a task passes to the user's functions: of each call of a joblib batch, of a pool's chunk, or
-    ``args`` and ``kwargs``."""
-    calls = batched_calls(func)
-    if calls is not None:
-        for _, call_args, call_kwargs in calls:
-            yield from call_args
-            yield from call_kwargs.values()
-        return
-    arguments_of = getattr(func, "arguments_of", None)  # a chunk of a pool's map (``_feed.MapChunk``)
-    if arguments_of is not None and len(args) == 1:
-        yield from arguments_of(args[0])
-        return
-    yield from args
-    yield from kwargs.values()
 
 
 def copy_on_write_unwritten(array: np.ndarray) -> bool:
