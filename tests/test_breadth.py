@@ -21,7 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import process_tree, run_script, wait_until
+from conftest import process_tree, run_script, wait_until, without_location_settings
 
 from memshare._mapping import MappingCache, array_from_ref, map_file
 from memshare._owners import Owner, new_folder_name
@@ -82,8 +82,7 @@ if __name__ == "__main__":
 def test_thousands_of_arrays_under_a_hard_limit_of_1024_descriptors(tmp_path, env):
     script = tmp_path / "breadth.py"
     script.write_text(BREADTH_SCRIPT)
-    full_env = dict(os.environ, **env)
-    full_env.pop("MEMSHARE_TEMP_FOLDER", None)  # memshare's own choice, as for a user
+    full_env = {**without_location_settings(), **env}  # memshare's own choice, as for a user
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=full_env, cwd=tmp_path
     )
@@ -263,8 +262,7 @@ def _named_after(pids) -> list:
 def _start_and_kill(tmp_path, spare_watchdog: bool):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_RUN))
-    env = dict(os.environ)
-    env.pop("MEMSHARE_TEMP_FOLDER", None)
+    env = without_location_settings()
     process = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
     )

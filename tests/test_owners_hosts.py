@@ -21,6 +21,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import without_location_settings
 
 from memshare import _location
 from memshare._location import is_network_fstype, mount_fstype
@@ -59,9 +60,7 @@ def old_format_name(pid: int, start: int, namespace: int) -> str:
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("JOBLIB_TEMP_FOLDER", None)
-    env.pop("MEMSHARE_TEMP_FOLDER", None)
+    env = without_location_settings()
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -83,9 +82,7 @@ def run_parallel_call(temp_folder) -> None:
 
 
 def run_clean(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("JOBLIB_TEMP_FOLDER", None)
-    env.pop("MEMSHARE_TEMP_FOLDER", None)
+    env = without_location_settings()
     return subprocess.run(
         [sys.executable, "-m", "memshare", "clean", *args], env=env, capture_output=True, text=True, timeout=60
     )

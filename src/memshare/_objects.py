@@ -30,6 +30,8 @@ from ._routes import PICKLE, Route, buffer_route, object_candidate, object_route
 
 #: Argument objects of a call remembered as pickling small (see ObjectPacker.pack).
 _SMALL_OBJECTS = 256
+#: Argument types that are never candidates, looked up first (a set lookup): most tasks pass only these.
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
 #: What an array or buffer that would leave the stream weighs while an object is measured.
 _PLACEHOLDER: Reduction = (int, ())
 
@@ -89,9 +91,13 @@ class ObjectPacker:
         remembered as small for the rest of the call.
         """
         max_nbytes = self._carrier.settings.max_nbytes
+        if max_nbytes is None:
+            return []  # nothing leaves the task payloads
         candidates: List[Any] = []
         for argument in _with_parts(arguments):
-            if isinstance(argument, Broadcast) or not object_candidate(argument, max_nbytes):
+            if type(argument) in _PLAIN or isinstance(argument, Broadcast):
+                continue
+            if not object_candidate(argument, max_nbytes):
                 continue
             if all(argument is not other for other in candidates):
                 candidates.append(argument)
@@ -240,10 +246,12 @@ def _with_parts(arguments: Iterable[Any], depth: int = 2) -> Iterator[Any]:
     pickle once per call.
     """
     for argument in arguments:
+        kind = type(argument)
+        if kind in _PLAIN:
+            continue  # the common case of tiny tasks: nothing to look at
         yield argument
         if depth == 0:
             continue
-        kind = type(argument)
         if kind in (tuple, list) and len(argument) <= _FEW_PARTS:
             yield from _with_parts(argument, depth - 1)
         elif kind is dict and len(argument) <= _FEW_PARTS:
