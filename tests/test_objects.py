@@ -254,3 +254,19 @@ def test_a_large_object_in_a_small_tuple_per_task_is_pickled_once_per_call():
     assert Parallel(n_jobs=2)(delayed(table_and_key)((table, k)) for k in range(12)) == list(range(12))
     figures = stats()
     assert figures["objects_dumped"] == 1 and figures["bytes_pickled"] < MIB, figures
+
+
+def rows_and_identity(first, second):
+    return len(first.rows), first is second[0]
+
+
+def test_a_small_object_made_for_each_task_is_pickled_once_per_task():
+    rows = [f"row {i}" for i in range(200)]  # far below max_nbytes, but more than the quick look counts
+    Counted.pickled = 0
+    assert Parallel(n_jobs=2)(delayed(rows_of)(Counted(rows), k) for k in range(8)) == [200 + k for k in range(8)]
+    assert Counted.pickled == 8  # measured once each, and that payload was sent: no second pickling
+    assert stats()["objects_dumped"] == 0
+    shared = Counted(rows)
+    Counted.pickled = 0
+    assert Parallel(n_jobs=2)(delayed(rows_and_identity)(shared, [shared]) for _ in range(6)) == [(200, True)] * 6
+    assert Counted.pickled == 6  # once per task, as joblib: the same small object is not measured again

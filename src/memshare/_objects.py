@@ -16,7 +16,7 @@ import functools
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -28,8 +28,10 @@ from ._reducers import Reducers, Reduction, pack, with_objects
 from ._refs import ArrayRef
 from ._routes import PICKLE, Route, buffer_route, object_candidate, object_route
 
-#: Argument objects of a call remembered as pickling small (see ObjectPacker.pack).
+#: Argument objects of a call remembered as pickling small (see ObjectPacker.pack): at most this many,
+#: weighing (pickled) at most this much, so that objects made anew for each task are not kept for the call.
 _SMALL_OBJECTS = 256
+_SMALL_BYTES = 8 * 1024**2
 #: Argument types that are never candidates, looked up first (a set lookup): most tasks pass only these.
 _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
 #: What an array or buffer that would leave the stream weighs while an object is measured.
@@ -66,18 +68,26 @@ class ObjectPacker:
         self._carrier = carrier
         # Argument objects of this call found to pickle small, by id(), kept (so that the id names
         # nothing else meanwhile) and bounded: an object passed to many tasks is measured once.
-        self._small: OrderedDict[int, Any] = OrderedDict()
+        self._small: OrderedDict[int, Tuple[Any, int]] = OrderedDict()  # id -> (object, pickled size)
+        self._small_bytes = 0
 
     def new_generation(self) -> None:
         """A new call: objects measured small may have grown since."""
         self._small.clear()
+        self._small_bytes = 0
 
-    def _remember_small(self, argument: Any) -> None:
-        self._small[id(argument)] = argument
-        while len(self._small) > _SMALL_OBJECTS:
-            self._small.popitem(last=False)
+    def _remember_small(self, argument: Any, nbytes: int) -> None:
+        self._small[id(argument)] = (argument, nbytes)
+        self._small_bytes += nbytes
+        while len(self._small) > _SMALL_OBJECTS or self._small_bytes > _SMALL_BYTES:
+            _, (_, dropped) = self._small.popitem(last=False)
+            self._small_bytes -= dropped
 
-    def pack(self, arguments: Iterable[Any], record: Any) -> List[Tuple[Any, ArrayRef]]:
+    def _known_small(self, argument: Any) -> bool:
+        entry = self._small.get(id(argument))
+        return entry is not None and entry[0] is argument
+
+    def pack(self, arguments: Iterable[Any], record: Any) -> List[Tuple[Any, Union[ArrayRef, bytes]]]:
         """The large argument objects of a task, each with the dump of its payload, pickled once per call.
 
         An argument that may pickle large (``_routes.object_candidate``) is
@@ -88,7 +98,9 @@ class ObjectPacker:
         other large objects, name that dump wherever they meet the object, so
         that the worker unpickles it once per task, as one object however many
         places reach it. Smaller candidates stay in the task's stream, and are
-        remembered as small for the rest of the call.
+        remembered as small for the rest of the call; when measuring gave
+        their payload as it is, it goes in the task's envelope, named like a
+        dump, so that it is pickled once.
         """
         max_nbytes = self._carrier.settings.max_nbytes
         if max_nbytes is None:
@@ -111,31 +123,55 @@ class ObjectPacker:
                 ref = self._carrier.dumps.object_dump(candidate, record.files)
                 if ref is not None:
                     dumped[id(candidate)] = (candidate, ref)
-                elif self._small.get(id(candidate)) is not candidate:
+                elif not self._known_small(candidate):
                     new.append(candidate)
         large: List[Any] = []
+        small: List[Any] = []
         refers: Dict[int, List[int]] = {}
         measured: Dict[int, Optional[bytes]] = {}
         for candidate in new:
             payload, named, final = self._measure(candidate, candidates)
+            refers[id(candidate)] = [id(candidates[index]) for index in named]
+            measured[id(candidate)] = payload if final else None
             if object_route(len(payload), max_nbytes).kind == PICKLE:
-                self._remember_small(candidate)
+                self._remember_small(candidate, len(payload))
+                small.append(candidate)
             else:
                 large.append(candidate)
-                refers[id(candidate)] = [id(candidates[index]) for index in named]
-                measured[id(candidate)] = payload if final else None
         for candidate in _inner_first(large, refers):
             inner = [dumped[key] for key in refers[id(candidate)] if key in dumped]
-            payload = measured[id(candidate)]
-            if payload is not None and len(inner) == len(refers[id(candidate)]):
-                # Nothing in it left the stream but objects now dumped: the measured payload is the
-                # payload, once its envelope names their dumps (no second pickling).
-                refs = {id(other): ref for other, ref in inner}
-                others = [other for other in candidates if other is not candidate]
-                if others:
-                    payload = with_objects(payload, [refs.get(id(other)) for other in others])
+            payload = self._final_payload(candidate, candidates, measured, refers, dumped)
             dumped[id(candidate)] = (candidate, self._dump_object(candidate, inner, record, payload))
-        return list(dumped.values())
+        objects: List[Tuple[Any, Any]] = list(dumped.values())
+        for candidate in small:
+            # A small object measured once goes in the task's envelope as it was measured, instead of
+            # being pickled again in the stream (an object made anew for each task: pickled once).
+            payload = self._final_payload(candidate, candidates, measured, refers, dumped)
+            if payload is not None:
+                objects.append((candidate, payload))
+        return objects
+
+    @staticmethod
+    def _final_payload(
+        candidate: Any,
+        candidates: List[Any],
+        measured: Dict[int, Optional[bytes]],
+        refers: Dict[int, List[int]],
+        dumped: Dict[int, Tuple[Any, ArrayRef]],
+    ) -> Optional[bytes]:
+        """The measured payload of ``candidate`` naming the dumps of the objects it reaches; None if it cannot be.
+
+        It can when nothing in it left the stream (see :meth:`_measure`) and
+        every candidate it reaches was dumped: the envelope then names their
+        dumps, and the stream is the one measured (no second pickling).
+        """
+        payload = measured[id(candidate)]
+        if payload is None or any(key not in dumped for key in refers[id(candidate)]):
+            return None
+        others = [other for other in candidates if other is not candidate]
+        if not others:
+            return payload
+        return with_objects(payload, [dumped[id(other)][1] if id(other) in dumped else None for other in others])
 
     def _measure(self, candidate: Any, candidates: List[Any]) -> Tuple[bytes, Set[int], bool]:
         """``candidate`` pickled with stand-ins, the other ``candidates`` it reaches (indices), and whether

@@ -296,7 +296,7 @@ def unpack(
     stream: Buffer,
     slots: Sequence[Slot] = (),
     load_slot: Optional[LoadSlot] = None,
-    loaded_objects: Optional[Dict[str, Any]] = None,
+    loaded_objects: Optional[Dict[Any, Any]] = None,
 ) -> Any:
     """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
 
@@ -342,25 +342,30 @@ class _Slots:
 
 
 class _Objects:
-    """The argument objects a payload names, each unpickled from its dump once per task.
+    """The argument objects a payload names, each unpickled once per task from its dump or its own payload.
 
     ``loaded`` is the task's, shared by the payloads of its objects (an
     object's payload may name another object): an object that the task's
     arguments reach from several places is one object in the worker, as
     pickle's memo makes it within one stream. Each task unpickles its own:
-    a task that changes an argument object changes its own copy only.
+    a task that changes an argument object changes its own copy only. A
+    placeholder is the ``ArrayRef`` of a dump (keyed by its path), or, in a
+    task's own envelope only, the object's payload itself (keyed by its
+    index there: two equal payloads are still two objects).
     """
 
-    def __init__(self, placeholders: Sequence[ArrayRef], loaded: Dict[str, Any]) -> None:
+    def __init__(self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any]) -> None:
         self._placeholders = placeholders
-        self._loaded = loaded  # dump path -> the object unpickled from it in this task
+        self._loaded = loaded  # dump path, or ("inline", index) -> the object unpickled from it in this task
 
     def __call__(self, index: int) -> Any:
-        ref = self._placeholders[index]
-        if ref.path not in self._loaded:
-            # The dump of the object's payload, mapped read-only through the worker's cache.
-            self._loaded[ref.path] = unpack(_rebuild_input(ref), loaded_objects=self._loaded)
-        return self._loaded[ref.path]
+        placeholder = self._placeholders[index]
+        key = placeholder.path if isinstance(placeholder, ArrayRef) else ("inline", index)
+        if key not in self._loaded:
+            # The dump of the object's payload, mapped read-only through the worker's cache; or the payload.
+            payload = _rebuild_input(placeholder) if isinstance(placeholder, ArrayRef) else placeholder
+            self._loaded[key] = unpack(payload, loaded_objects=self._loaded)
+        return self._loaded[key]
 
 
 class _SlotUnpickler(pickle.Unpickler):
