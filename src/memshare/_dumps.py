@@ -244,7 +244,9 @@ class DumpTable:
     def _forget_objects(self) -> None:
         """A new generation: no object dumped before is named again; dumps no pending task reads go now."""
         for path in list(self._current_objects.values()):
-            held = self._objects[path]
+            held = self._objects.get(path)
+            if held is None:
+                continue  # forgotten meanwhile: an object named by one forgotten just before
             if held.entry.pending == 0:
                 self._forget_object(path)
             else:
