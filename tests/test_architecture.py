@@ -400,7 +400,7 @@ def test_no_module_reaches_into_another_modules_privates():
 PROBE = """
 import multiprocessing.pool as mp_pool
 from joblib.parallel import _backend
-from numpy._core import multiarray
+from concurrent.futures._base import Future
 from ._compat import _same
 
 
@@ -437,7 +437,7 @@ def test_the_scan_finds_each_kind_of_private_use():
     foreign = {use.name.rsplit(".", 1)[-1] for use in scanner.foreign}
     assert foreign == {
         "_backend",  # a private name imported from another package
-        "_core",  # a private module of another package
+        "_base",  # a private module of another package
         "_setup_queues",  # a private hook overridden, and called through super()
         "_cache",  # a private attribute inherited from a foreign base
         "_processes",  # the same, through getattr
