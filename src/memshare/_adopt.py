@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 
@@ -37,13 +37,14 @@ def restore(
     from ``folder``, the session's folder pair (see :func:`adopt_result`).
     """
 
-    # Two slots may name one result file (two views of one array of the worker): the file
-    # is adopted once, its name deleted then, and every slot that names it views that mapping.
-    adopted: Dict[Tuple[str, int, int], np.ndarray] = {}
+    # Two slots may name one result file (two views of one array of the worker): the file,
+    # known by its (device, inode), is adopted once, its name deleted (or its one received
+    # descriptor taken) then, and every slot that names it views that mapping.
+    adopted: Dict[Tuple[int, int], np.ndarray] = {}
 
     def load_slot(where: Slot) -> np.ndarray:
         if isinstance(where, ArrayRef) and where.kind == RESULT:
-            key = (where.path, where.device, where.inode)
+            key = (where.device, where.inode)
             if key not in adopted:
                 adopted[key] = adopt_mapping(where, receive, folder)
             return _view(adopted[key], where)
@@ -64,27 +65,24 @@ def restore(
 def restore_with_memfds(outcome: Outcome, inbox: Inbox, pair: FolderPair) -> Tuple[bool, Any]:
     """Restore ``outcome``, taking the result memfds its worker passed; close any left unclaimed.
 
-    Two slots may name one memfd (two views of a worker's shared array):
-    each gets its own descriptor of the one received.
+    :func:`restore` adopts each file once, however many slots name it (two
+    views of a worker's shared array), so each memfd's one descriptor is
+    taken once; the adoption maps and closes it.
     """
-    claimed: Dict[Tuple[int, int], int] = {}
+    claimed: Set[Tuple[int, int]] = set()
 
     def receive(identity: Tuple[int, int]) -> Optional[int]:
-        if identity not in claimed:
-            fd = inbox.take(identity)
-            if fd is None:
-                return None
-            claimed[identity] = fd
-        return os.dup(claimed[identity])
+        fd = inbox.take(identity)
+        if fd is not None:
+            claimed.add(identity)
+        return fd
 
     try:
         return restore(outcome, receive, folder=pair)
     finally:
-        for fd in claimed.values():
-            os.close(fd)
         # One descriptor came per memfd this outcome names (others of the same memfd
         # belong to other outcomes): close those it did not claim.
-        inbox.discard({(ref.device, ref.inode) for ref in outcome.result_files()} - claimed.keys())
+        inbox.discard({(ref.device, ref.inode) for ref in outcome.result_files()} - claimed)
 
 
 def _load_slot(where: Slot, receive: Optional[Receive], folder: Optional[FolderPair]) -> np.ndarray:

@@ -15,7 +15,6 @@ that finds the file gone (:func:`prune_received`), or when it exits.
 
 from __future__ import annotations
 
-import os
 import pickle
 import secrets
 import struct
@@ -26,7 +25,7 @@ import cloudpickle
 import numpy as np
 
 from . import _forksafe
-from ._refs import file_identity, find_backing
+from ._refs import find_backing, is_file
 from ._shared_store import new_shared_array
 
 T = TypeVar("T")
@@ -158,13 +157,7 @@ class _Received:
             entries = list(self._entries.items())
         if not entries:
             return
-        gone = []
-        for token, (_, path, identity) in entries:
-            try:
-                if file_identity(os.stat(path)) != identity:
-                    gone.append(token)
-            except OSError:
-                gone.append(token)
+        gone = [token for token, (_, path, identity) in entries if not is_file(path, identity)]
         with self._lock:
             for token in gone:
                 self._entries.pop(token, None)

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _forksafe, _memfd
 from ._compat import set_memmap_owner
-from ._refs import USER, ArrayRef, file_identity, kind_of_path
+from ._refs import USER, ArrayRef, is_file, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 #: The pruner sleeps at least this many times what its last check took: stat-ing thousands of
@@ -311,14 +311,7 @@ class MappingCache:
         """Drop mappings whose file was deleted or replaced (the path, stat-ed: no descriptor is kept)."""
         with self._lock:
             keys = list(self._bases)
-        stale = []
-        for key in keys:
-            path, device, inode, _ = key
-            try:
-                if file_identity(os.stat(path)) != (device, inode):
-                    stale.append(key)
-            except OSError:
-                stale.append(key)
+        stale = [key for key in keys if not is_file(key[0], (key[1], key[2]))]
         with self._lock:
             for key in stale:
                 self._bases.pop(key, None)

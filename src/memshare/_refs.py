@@ -75,6 +75,14 @@ def file_identity(info: os.stat_result) -> Tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
+def is_file(path: str, identity: Tuple[int, int]) -> bool:
+    """True while ``path`` stats to the file of ``identity`` (device, inode): not deleted, not replaced."""
+    try:
+        return file_identity(os.stat(path)) == identity
+    except OSError:
+        return False
+
+
 def data_address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
