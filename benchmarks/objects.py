@@ -9,6 +9,10 @@ measured), two workers. Contenders:
 * ``memshare-broadcast``: ``memshare.broadcast(table)`` once, then the broadcast as the argument
   (the time includes the broadcast: the dict is pickled once, and each worker unpickles it once).
 
+With ``--distinct``, each task gets a dict of its own instead (all made before the memory baseline, as the
+caller's data): nothing is shared, so this measures what each contender holds while the dicts travel,
+joblib pickling each one in loky's feeder thread as it sends it.
+
 Each run is a fresh interpreter: it builds the dict, warms the workers up with a tiny call, then
 times one call under the memory sampler of ``memshare._tools.benchmarks.memory`` (peak extra memory of
 the process tree, shared memory included). Contenders are interleaved within each repeat.
@@ -16,6 +20,7 @@ the process tree, shared memory included). Contenders are interleaved within eac
 Usage (from the repository root)::
 
     python -m benchmarks.objects --entries 4 --repeats 3
+    python -m benchmarks.objects --entries 0.25 --tasks 16 --distinct --repeats 3
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def lookup(table, k):
 
 def main():
     contender, entries, tasks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    distinct = sys.argv[4] == "distinct"
     from memshare._tools.benchmarks.memory import MemorySampler
 
     if contender == "joblib":
@@ -52,13 +58,20 @@ def main():
         from memshare import Parallel, delayed
 
         parallel = Parallel(n_jobs=2)
-    table = {f"key-{i}": i for i in range(entries)}
+    if distinct:  # one dict per task, all made before the baseline: the caller's own data
+        tables = [{f"key-{i}": i + k for i in range(entries)} for k in range(tasks)]
+        table = tables[0]
+    else:
+        table = {f"key-{i}": i for i in range(entries)}
     pickled = len(pickle.dumps(table, protocol=5))
     parallel(delayed(lookup)({"key-0": 0}, k) for k in range(4))  # start the workers
     with MemorySampler(os.getpid()) as sampler:
         started = time.perf_counter()
-        argument = memshare.broadcast(table) if contender == "memshare-broadcast" else table
-        out = parallel(delayed(lookup)(argument, k) for k in range(tasks))
+        if distinct:
+            out = parallel(delayed(lookup)(tables[k], k) for k in range(tasks))
+        else:
+            argument = memshare.broadcast(table) if contender == "memshare-broadcast" else table
+            out = parallel(delayed(lookup)(argument, k) for k in range(tasks))
         seconds = time.perf_counter() - started
     print(json.dumps({"seconds": seconds, "pickled_size": pickled, "peak": sampler.peak_extra_bytes, "check": out}))
 
@@ -67,9 +80,9 @@ main()
 """
 
 
-def run_one(contender: str, entries: int, tasks: int) -> Dict:
+def run_one(contender: str, entries: int, tasks: int, distinct: bool = False) -> Dict:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, contender, str(entries), str(tasks)],
+        [sys.executable, "-c", _CHILD, contender, str(entries), str(tasks), "distinct" if distinct else "same"],
         capture_output=True,
         text=True,
         timeout=3600,
@@ -90,19 +103,25 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--tasks", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument(
+        "--distinct", action="store_true", help="each task gets a dict of its own (made before the baseline)"
+    )
     args = parser.parse_args(argv)
+    if args.distinct and "memshare-broadcast" in args.contenders:
+        args.contenders.remove("memshare-broadcast")  # a broadcast is for data every task reads
     entries = int(args.entries * 1_000_000)
     results: Dict[str, List[Dict]] = {c: [] for c in args.contenders}
     for repeat in range(args.repeats):
         for contender in args.contenders if repeat % 2 == 0 else args.contenders[::-1]:
-            results[contender].append(run_one(contender, entries, args.tasks))
+            results[contender].append(run_one(contender, entries, args.tasks, args.distinct))
             print(f"repeat {repeat + 1}: {contender}: {results[contender][-1]['seconds']:.2f} s", file=sys.stderr)
     checks = {json.dumps(r["check"]) for runs in results.values() for r in runs}
     if len(checks) != 1:
         raise AssertionError(f"contenders disagree: {checks}")
     pickled = next(iter(results.values()))[0]["pickled_size"]
     print(
-        f"\ndict of {entries:,} str -> int ({_mb(pickled)} pickled), {args.tasks} tasks, 2 workers, "
+        f"\n{'a distinct' if args.distinct else 'one'} dict of {entries:,} str -> int ({_mb(pickled)} pickled) "
+        f"{'for each of' if args.distinct else 'to'} {args.tasks} tasks, 2 workers, "
         f"{args.repeats} repeats (median [min-max])\n"
     )
     print("| contender | time | x joblib | peak extra memory |")

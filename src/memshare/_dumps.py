@@ -33,6 +33,8 @@ from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision, log_ob
 # one thread), less than half the cost of writing it again (about 0.4 s).
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
 _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
+# How many object and buffer dumps used by a single finished task are kept for a later task (release).
+_RECENT_SINGLE_USE = 2
 
 
 @dataclass
@@ -101,6 +103,9 @@ class DumpTable:
         self._buffer_keys: Dict[str, Tuple[int, int]] = {}  # dump path -> its buffer's key
         self._buffers_in_band: Set[Tuple[int, int]] = set()
         self._buffers_generation = 0
+        # Object and buffer dumps whose only task so far is done, newest last, kept for a later task of
+        # the call that may name them again (see release).
+        self._recent: OrderedDict[str, None] = OrderedDict()
 
     @property
     def paths(self) -> KeysView[str]:
@@ -286,6 +291,7 @@ class DumpTable:
 
     def _use(self, entry: _Dump, files: List[str]) -> None:
         self._idle.pop(entry.ref.path, None)
+        self._recent.pop(entry.ref.path, None)
         entry.uses += 1
         entry.pending += 1
         files.append(entry.ref.path)
@@ -309,22 +315,37 @@ class DumpTable:
             if entry.pending > 0:
                 continue
             if path in self._objects:
-                # As a buffer: one used by a single task goes at once; one that a new
-                # generation passed over goes with its last task.
-                if entry.uses < 2 or not entry.alive:
+                # As a buffer: one used by a single task so far is kept among the recent
+                # ones; one that a new generation passed over goes with its last task.
+                if not entry.alive:
                     self._forget_object(path)
+                elif entry.uses < 2:
+                    self._keep_recent(path)
                 continue
             key = self._buffer_keys.get(path)
             if key is not None:
-                # A buffer used by one task so far is forgotten at once: pinning its
-                # memory for the rest of the call would hold, for a buffer made anew for
-                # each task, one copy per task. A buffer used by several tasks stays.
+                # A buffer used by several tasks stays for the call. One used by a single
+                # task so far is not kept for the call: pinning its memory would hold,
+                # for a buffer made anew for each task, one copy per task. It is kept
+                # among the few most recent, though, since tasks are packed as they are
+                # sent: the first task over a buffer every task reads may be done before
+                # the second one is packed, which would otherwise write it again.
                 if entry.uses < 2:
-                    self._forget_buffer(key)
+                    self._keep_recent(path)
             elif not entry.alive:
                 self._delete_file(entry)  # its entry already left _by_array (_forget)
             elif entry.uses < 2:
                 self._idle[path] = entry
+
+    def _keep_recent(self, path: str) -> None:
+        """Keep the single-use object or buffer dump at ``path`` for reuse; forget the oldest beyond a few."""
+        self._recent[path] = None
+        while len(self._recent) > _RECENT_SINGLE_USE:
+            oldest, _ = self._recent.popitem(last=False)
+            if oldest in self._objects:
+                self._forget_object(oldest)
+            elif oldest in self._buffer_keys:
+                self._forget_buffer(self._buffer_keys[oldest])
 
     def _pending_bytes(self) -> int:
         return sum(e.ref.nbytes for e in self._by_path.values() if e.pending > 0)
@@ -353,6 +374,7 @@ class DumpTable:
             return
         self._by_path.pop(entry.ref.path, None)
         self._idle.pop(entry.ref.path, None)
+        self._recent.pop(entry.ref.path, None)
         entry.parent_view = None
         delete_file(entry.ref.path)
         entry.ref = None
@@ -366,6 +388,7 @@ class DumpTable:
         self._by_array.clear()
         self._by_path.clear()
         self._idle.clear()
+        self._recent.clear()
         for held in self._objects.values():
             self._release_needs(held.needs)
         self._objects.clear()

@@ -3,10 +3,11 @@
 Workers are long-lived loky processes (see ``_executor``: joblib's bundled
 loky, an executor apart from joblib's ``"loky"`` backend); memshare only
 changes what travels.
-Each batch joblib submits is packed by the call's :class:`Session` in the
-dispatching thread, so large arrays are dumped once per call (or once per
-``with Parallel() as p:`` context) and sent as references; results come back
-through shared memory the same way.
+Each batch joblib submits is packed by the call's :class:`Session` when
+loky's feeder thread sends it to a worker, as joblib's own loky backend
+pickles it (``_deferred``), so large arrays are dumped once per call (or once
+per ``with Parallel() as p:`` context) and sent as references; results come
+back through shared memory the same way.
 
 The sharing settings (``max_nbytes``, ``mmap_mode``, ``temp_folder``) are
 not executor arguments: changing them between calls takes effect at once and
@@ -15,7 +16,6 @@ never restarts the workers.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any, Optional
 
 import joblib
@@ -41,11 +41,12 @@ from ._compat import (
     worker_env,
 )
 from ._config import Settings
+from ._deferred import DeferredFeed
 from ._errors import WorkerDiedError, describe_exit
 from ._executor import discard_executor, get_executor
+from ._feed import run_or_return
 from ._session import Session
 from ._stats import CallStats, enable_logging, record_finished
-from ._worker import run_task
 
 BACKEND_NAME = "memshare"
 
@@ -95,6 +96,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         self.idle_worker_timeout = idle_worker_timeout
         self._executor = None
         self._session: Optional[Session] = None
+        self._feed: Optional[DeferredFeed] = None
         self._n_jobs = 1
         # parallel_config(backend="memshare", initializer=...) arrives here. Taken
         # as parameters, not left in backend_kwargs, because joblib before 1.5
@@ -163,6 +165,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._session is not None:
             self._session.close()
         self._session = Session(settings)
+        self._feed = DeferredFeed(self._session, on_packed=self._note_dumped)
         return n_jobs
 
     def _get_executor(self):
@@ -210,22 +213,10 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         drop_ready_batches(getattr(self, "parallel", None))
 
     def submit(self, func, callback=None):
-        session = self._session
-        dumped_before = session.stats.bytes_dumped  # joblib dispatches one batch at a time, under its lock
+        # Packed later, when loky's feeder pickles it for a worker (see _deferred).
+        deferred = self._feed.defer(func)
         try:
-            task = session.pack_task(func)
-        except Exception as exc:
-            # joblib dispatches later batches from a callback thread, where a
-            # raised error is only logged and the call then waits forever for
-            # this batch: fail the batch instead, as a failed task would.
-            failed: Future = Future()
-            failed.set_exception(exc)
-            if callback is not None:
-                failed.add_done_callback(callback)
-            return failed
-        self._note_dumped(session.stats.bytes_dumped - dumped_before, func)
-        try:
-            future = self._executor.submit(run_task, task)
+            future = self._executor.submit(run_or_return, deferred)
         except (BrokenProcessPool, ShutdownExecutorError):
             # The executor broke since the last call (a worker killed while
             # idle): this call starts on a new one. A break during this call
@@ -233,18 +224,18 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
             # dispatches under its lock: no waiting for the old executor.
             discard_executor(self._executor, wait=False)
             self._executor = self._get_executor()
-            future = self._executor.submit(run_task, task)
-        future.memshare_session = session
-        token, epoch = task.token, self._epoch
+            future = self._executor.submit(run_or_return, deferred)
+        feed, epoch = self._feed, self._epoch
+        future.memshare_feed = feed
 
         def release_then_report(done):
             # An infrastructure failure (dead worker, shutdown) brings no
             # outcome back: release the task's files here.
             if done.cancelled() or done.exception() is not None:
-                session.task_done(token)
+                feed.abandon(deferred)
             if epoch != self._epoch:
                 if not done.cancelled() and done.exception() is None:
-                    session.task_done(token)  # aborted: nobody will read the outcome
+                    feed.abandon(deferred)  # aborted: nobody will read the outcome
                 return
             if callback is not None:
                 callback(done)
@@ -266,7 +257,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
                 "memshare: the executor was shut down while this call was running "
                 "(an earlier generator call may have been garbage-collected unfinished)"
             ) from None
-        ok, value = future.memshare_session.finish(outcome)
+        ok, value = future.memshare_feed.outcome(outcome)
         if not ok:
             raise value
         return value
@@ -275,6 +266,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._session is not None:
             self._session.close()
             self._session = None
+            self._feed = None
         self._executor = None
         self.reset_batch_stats()
 

@@ -1,0 +1,126 @@
+"""The joblib backend packs a batch when loky sends it, not when joblib dispatches it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import memfds_held, wait_until
+
+import memshare
+from memshare import Parallel, delayed
+from memshare._config import Settings
+from memshare._session import Session
+from memshare._worker import run_task
+
+MIB = 1024**2
+
+# Indices of the probes pickled so far in this process (the parent): a probe is pickled only when its
+# task is packed.
+_packed = set()
+_packed_lock = threading.Lock()
+
+
+def _probe_value(index):
+    return index
+
+
+class PackProbe:
+    """An argument that notes, in the parent, when the task carrying it is packed."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def __reduce__(self):
+        with _packed_lock:
+            _packed.add(self.index)
+        return _probe_value, (self.index,)
+
+
+def wait_for_file(path, index, array):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return index, float(array[0])
+
+
+def test_batches_dispatched_ahead_are_not_packed_until_loky_sends_them(tmp_path):
+    """pre_dispatch="all" hands joblib's 20 batches to the backend at once; only those loky sends are packed.
+
+    Packing at dispatch pickled all 20 at once and dumped each one's 2 MiB
+    array while the workers were still blocked on the first two.
+    """
+    gate = str(tmp_path / "go")
+    _packed.clear()
+    arrays = [np.full(MIB // 4, float(i)) for i in range(20)]  # 2 MiB each: dumped, one per task
+    results = []
+    call = threading.Thread(
+        target=lambda: results.extend(
+            Parallel(n_jobs=2, pre_dispatch="all", batch_size=1)(
+                delayed(wait_for_file)(gate, PackProbe(i), arrays[i]) for i in range(20)
+            )
+        )
+    )
+    call.start()
+    try:
+        # Two running, loky's call queue (workers + 1) full: five packed, maybe a sixth in the feeder.
+        assert wait_until(lambda: len(_packed) >= 5, timeout=60)
+        time.sleep(0.5)  # give an eager packer every chance to go on
+        packed_while_blocked = len(_packed)
+    finally:
+        open(gate, "w").close()
+        call.join(120)
+    assert not call.is_alive()
+    assert packed_while_blocked <= 8, sorted(_packed)
+    assert results == [(i, float(i)) for i in range(20)]
+    assert _packed == set(range(20))
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+
+def test_a_batch_that_cannot_be_packed_fails_with_its_own_error_and_the_call_goes_on_failing():
+    with pytest.raises(memshare.UnpicklableArgumentError, match="refuses to be pickled"):
+        Parallel(n_jobs=2)(delayed(len)(Unpicklable() if i == 5 else [i]) for i in range(10))
+    # The backend is usable afterwards, and the next call's figures are its own.
+    assert Parallel(n_jobs=2)(delayed(len)([i] * i) for i in range(4)) == [0, 1, 2, 3]
+
+
+def _length(value):
+    return len(value)
+
+
+def test_an_object_used_again_after_its_first_task_finished_is_not_written_again():
+    """Tasks are packed as they are sent: a later task may name an object whose only task is done."""
+    table = {f"key-{i}": i for i in range(200_000)}  # about 3.5 MB pickled: an object dump
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        for _ in range(3):
+            ok, value = session.finish(run_task(session.pack_task(_length, (table,))))
+            assert ok and value == len(table)
+        assert session.stats.objects_dumped == 1
+    finally:
+        session.close()
+
+
+def test_single_use_object_dumps_do_not_pile_up():
+    """Objects made anew for each task: only the few most recent finished dumps are kept."""
+    session = Session(Settings.from_user("1M", "r", None, None))
+    memfds_before = len(memfds_held())
+    try:
+        for i in range(8):
+            table = {f"key-{i}-{j}": j for j in range(200_000)}
+            ok, value = session.finish(run_task(session.pack_task(_length, (table,))))
+            assert ok and value == len(table)
+        assert session.stats.objects_dumped == 8
+        kept = len(memfds_held()) - memfds_before
+        folder = session.folder.pair.primary
+        kept += len([name for name in os.listdir(folder) if name.startswith("dump-")]) if os.path.isdir(folder) else 0
+        assert kept <= 2, kept
+    finally:
+        session.close()
