@@ -124,3 +124,41 @@ def test_single_use_object_dumps_do_not_pile_up():
         assert kept <= 2, kept
     finally:
         session.close()
+
+
+def test_batches_with_new_dumps_wait_while_every_worker_and_the_queue_has_one(tmp_path):
+    """A dict of its own for each task: packing stops at a running task per worker and one queued.
+
+    loky's feeder blocks on the pipe once it has written a pickled batch no
+    worker has read yet, so joblib holds one such dict pickled beyond the
+    workers; without waiting, memshare packed and dumped every batch loky
+    queued.
+    """
+    gate = str(tmp_path / "go")
+    _packed.clear()
+    tables = [{f"key-{j}": j + i for j in range(100_000)} for i in range(12)]  # about 1.7 MB pickled each
+    results = []
+    call = threading.Thread(
+        target=lambda: results.extend(
+            Parallel(n_jobs=2, pre_dispatch="all", batch_size=1)(
+                delayed(wait_for_table)(gate, PackProbe(i), tables[i]) for i in range(12)
+            )
+        )
+    )
+    call.start()
+    try:
+        assert wait_until(lambda: len(_packed) >= 3, timeout=60)
+        time.sleep(1.0)  # give the feeder every chance to go on
+        packed_while_blocked = sorted(_packed)
+    finally:
+        open(gate, "w").close()
+        call.join(120)
+    assert not call.is_alive()
+    assert packed_while_blocked == [0, 1, 2]
+    assert results == [(i, i) for i in range(12)]
+    assert memshare.last_call_stats()["objects_dumped"] == 12
+
+
+def wait_for_table(path, index, table):
+    wait_for_file(path, index, [0.0])
+    return index, table["key-0"]

@@ -316,6 +316,11 @@ class Session:
             held.release()
         record.held_once.clear()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: nothing more can be packed."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("memshare: this pool or call has already finished")

@@ -165,7 +165,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._session is not None:
             self._session.close()
         self._session = Session(settings)
-        self._feed = DeferredFeed(self._session, on_packed=self._note_dumped)
+        self._feed = DeferredFeed(self._session, n_jobs, on_packed=self._note_dumped)
         return n_jobs
 
     def _get_executor(self):
@@ -229,6 +229,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         future.memshare_feed = feed
 
         def release_then_report(done):
+            feed.ended(deferred)  # the feeder may pack the next batch that dumps
             # An infrastructure failure (dead worker, shutdown) brings no
             # outcome back: release the task's files here.
             if done.cancelled() or done.exception() is not None:
