@@ -144,6 +144,9 @@ class DeferredFeed:
         with self._lock:
             deferred._abandoned = True
             token = deferred.token
+            if token in self._heavy:  # packed between ended() and now
+                self._heavy.discard(token)
+                self._heavy_done.notify_all()
         if token is not None:
             self.session.task_done(token)
 
