@@ -111,7 +111,7 @@ class FakeProcess:
     def prepare(self, key, size, quick) -> int:
         return 0
 
-    def measure(self, n_jobs, memory_mode):
+    def measure(self, n_jobs, memory_mode, operation=""):
         t = {"memshare": 0.5, "joblib": 1.0}.get(self.name, 0.8)
         return t, 3 * MiB if self.name == "joblib" else MiB, 0, True, {}, self.name.startswith("memshare")
 
@@ -189,10 +189,10 @@ def test_a_contender_process_that_dies_is_reported_and_the_run_goes_on(monkeypat
     """joblib's process is killed (SIGKILL, as the OOM killer does): a note names it; serial still runs."""
     real_measure = ContenderProcess.measure
 
-    def measure(self, n_jobs, memory_mode):
+    def measure(self, n_jobs, memory_mode, operation=""):
         if self.name == "joblib":
             os.kill(self.pid, signal.SIGKILL)
-        return real_measure(self, n_jobs, memory_mode)
+        return real_measure(self, n_jobs, memory_mode, operation)
 
     monkeypatch.setattr(ContenderProcess, "measure", measure)
     report = harness.run_benchmark("a", ["joblib", "serial"], size=8 * MiB, repeats=2, quick=True, progress=False)

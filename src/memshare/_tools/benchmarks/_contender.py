@@ -11,7 +11,8 @@ Only the memshare contenders (and the workloads that share an array with ``memsh
 Protocol (pickled tuples on the socket, the harness speaks first):
 
 - ``("prepare", key, size, quick)`` -> ``("prepared", pickled_bytes)``: build the workload's data;
-- ``("measure", n_jobs)`` -> ``("ready",)``; workers are started and warmed, the harness starts its memory
+- ``("measure", n_jobs, operation)`` -> ``("ready",)`` (``operation``: one of the workload's ``operations``, or
+  ``""``); workers are started and warmed, the harness starts its memory
   sampler on this process tree, then sends ``("go",)`` -> ``("done", seconds)``; the harness stops its
   sampler, sends ``("sampled",)`` -> ``("measured", correct, stats, imported_memshare)``;
 - ``("quit",)``: exit. Any failure is answered with ``("error", traceback)`` and the process exits.
@@ -29,19 +30,9 @@ from typing import Any, Dict
 
 import workloads  # the sibling module, imported as top-level (see above)
 
-STAT_KEYS = (
-    "bytes_dumped",
-    "dump_seconds",
-    "arrays_held_once",
-    "bytes_refreshed",
-    "arrays_referenced",
-    "results_by_reference",
-    "arrays_pickled",
-)
 
-
-def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: str, n_jobs: int) -> tuple:
-    with workload.session(data, name, n_jobs) as run:
+def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: str, n_jobs: int, operation: str) -> Any:
+    with workload.session(data, name, n_jobs, operation) as run:
         gc.collect()
         conn.send(("ready",))
         conn.recv()  # "go": the memory sampler has its baseline
@@ -55,7 +46,8 @@ def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: st
 
 def serve(conn: Connection, name: str) -> None:
     """Answer the harness's commands until ``quit``."""
-    workload = data = expected = None
+    workload = data = None
+    expected: Dict[str, Any] = {}  # by operation
     while True:
         message = conn.recv()
         command = message[0]
@@ -64,23 +56,24 @@ def serve(conn: Connection, name: str) -> None:
         if command == "prepare":
             _, key, size, quick = message
             workload = workloads.make_workloads()[key]
-            data, expected = workload.prepare_for(size, quick, name), None
+            data, expected = workload.prepare_for(size, quick, name), {}
             conn.send(("prepared", workload.pickled_bytes(data)))
         elif command == "measure":
+            operation = message[2] if len(message) > 2 else ""
             data = workloads.fresh(data)
-            result = _measure(conn, workload, data, name, message[1])
+            result = _measure(conn, workload, data, name, message[1], operation)
             correct = True
             if name not in workloads.LIMIT_PARTS:
-                if expected is None:  # computed once, after the first run: never timed, never sampled
-                    expected = workload.expected(data)
-                correct = workload.check(result, expected)
+                if operation not in expected:  # computed once, after the first run: never timed, never sampled
+                    expected[operation] = workload.expected(data, operation)
+                correct = workload.check(result, expected[operation])
             del result
             stats: Dict[str, Any] = {}
             if name.startswith("memshare"):
                 import memshare
 
                 figures = memshare.last_call_stats() or {}
-                stats = {k: v for k, v in figures.items() if k in STAT_KEYS}
+                stats = {k: figures[k] for k in workload.stat_keys if k in figures}
             conn.send(("measured", correct, stats, "memshare" in sys.modules))
         else:
             raise ValueError(f"unknown command {command!r}")

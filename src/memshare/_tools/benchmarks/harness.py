@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .processes import ContenderDied, ContenderProcess
-from .workloads import CONTENDERS, LIMIT_PARTS, PICKLING, make_workloads
+from .workloads import CONTENDERS, LIMIT_PARTS, PICKLING, POOL_CONTENDERS, Workload, make_workloads, pool_start_method
 
 GiB = 1 << 30
 MiB = 1 << 20
 QUICK_SIZE = 8 * MiB
-DEFAULT_WORKLOADS = "abcdefghi"
+DEFAULT_WORKLOADS = "abcdefghijklmp"
 LOOP_WORKLOAD = "i"  # the shared-array loop: per-call overheads and memory per call against the data size
+POOL_WORKLOAD = "p"  # the pools on small items: ratios to mp.Pool with the same start method
 
 #: What each contender is: the report defines, under each table, every contender that appears in it.
 CONTENDER_MEANINGS: Dict[str, str] = {
@@ -47,10 +48,16 @@ CONTENDER_MEANINGS: Dict[str, str] = {
     "memshare-plain": "memshare.Parallel handed the plain np.ndarray where `memshare` gets a shared array",
     "memshare-copy": "memshare.Parallel with MemshareBackend(promote=False): the array is copied (dumped) to shared "
     "memory for the call instead of held once",
+    "memshare-broadcast": "memshare.Parallel handed memshare.broadcast(obj), made in the timed call: the object is "
+    "pickled once and unpickled once per worker",
     "joblib": "joblib.Parallel with its defaults (loky; arrays above 1 MB dumped to a memmapped file per call)",
     "joblib-nomemmap": "joblib.Parallel(max_nbytes=None): no memmapping, every argument is pickled to the workers",
     "mp.Pool": "multiprocessing.Pool (spawn), starmap: every argument is pickled",
     "serial": "a plain loop in one process: the work itself, with no parallel machinery (n_jobs=1)",
+    "memshare-pool": "memshare.MemmappingPool(n_jobs) (forkserver, its default where it exists)",
+    "joblib-pool": "joblib.pool.MemmappingPool(n_jobs) (the platform's default start method)",
+    "mp.Pool-forkserver": "multiprocessing.get_context('forkserver').Pool(n_jobs)",
+    "mp.Pool-fork": "multiprocessing.get_context('fork').Pool(n_jobs)",
 }
 #: The columns of the main table.
 COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
@@ -66,7 +73,10 @@ COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
         "in a row agree within 2 MiB, at most 2 s), the returned values still referenced: what the call keeps, not "
         "what it frees a moment after returning",
     ),
-    ("time / joblib, memory / joblib", "this contender's median time or memory divided by joblib's (< 1 is better)"),
+    (
+        "time / joblib, memory / joblib",
+        "this contender's median time or memory divided by joblib's (in (p): joblib's pool's; < 1 is better)",
+    ),
     ("correct", "the result equals the serial loop's"),
 )
 
@@ -146,6 +156,7 @@ class Measurement:
     pid: int = 0  # the contender's own process
     imported_memshare: bool = False  # whether that process had imported memshare
     end_extra_bytes: int = 0  # extra memory still held once the call returned
+    operation: str = ""  # for a workload timed operation by operation (the pools of (p)): which one
 
 
 @dataclass
@@ -160,6 +171,7 @@ class Report:
     titles: Dict[str, str] = field(default_factory=dict)
     memory_mode: str = "tree"
     limit_formulas: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.limit_formula
+    references: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.reference, if not joblib
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     load_before: Optional[Tuple[float, float, float]] = None  # os.getloadavg() before the first process started
     load_after: Optional[Tuple[float, float, float]] = None  # ... and after the last one ended
@@ -224,22 +236,36 @@ class TooLargeError(ValueError):
 MEMORY_SHARE = 0.9
 
 
-def data_factor(key: str) -> int:
-    """How many times ``size`` the prepared data of workload ``key`` holds in each contender's process."""
-    return 0 if key in ("c", "d") else 1
+def data_factor(key: str) -> float:
+    """How many times ``size`` the prepared data of workload ``key`` holds in each contender's process.
+
+    (l)'s dict pickles to size/64 and takes about 7 times that in memory: 1/4 leaves room.
+    """
+    if key in ("c", "d", "m", "p"):
+        return 0
+    return 0.25 if key == "l" else 1
 
 
-def copies_factor(key: str, contender: str) -> int:
+def copies_factor(key: str, contender: str) -> float:
     """How many times ``size`` a contender makes while it is timed on workload ``key``, on top of its data.
 
     A fresh copy of the input before each repeat (then the old one is freed),
     a dump or the pickled pieces during the call; for (c) the results, once in
-    the worker and, when pickled or dumped, once more in the parent.
+    the worker and, when pickled or dumped, once more in the parent; for (m)
+    the results and, after the first run, the expected ones. joblib pickles a
+    DataFrame (j, k) into every task, and each worker unpickles its own copy:
+    a few times the frame at once. In (l) each worker unpickles its own dict.
     """
-    if key == "d":
+    if key in ("d", "p"):
         return 0
     if key == "c":
         return 2 if contender in PICKLING + ("joblib",) else 1
+    if key == "m":
+        return 3 if contender == "joblib" else 2
+    if key in ("j", "k"):
+        return 4 if contender == "joblib" else 1
+    if key == "l":
+        return 0.5
     return 1
 
 
@@ -260,7 +286,7 @@ def estimate_peak(workloads: str, contenders: Sequence[str], size: int) -> Tuple
             names += [p for p in LIMIT_PARTS if workload.limit_formula == "inputs" or p != "first-touch"]
         if not names:
             continue
-        peak = size * (len(names) * data_factor(key) + max(copies_factor(key, n) for n in names))
+        peak = int(size * (len(names) * data_factor(key) + max(copies_factor(key, n) for n in names)))
         if peak > best[0]:
             best = (peak, key, len(names))
     return best
@@ -302,13 +328,14 @@ def run_benchmark(
     progress: bool = True,
     memory_mode: str = "tree",
 ) -> Report:
-    """Run the chosen workloads (keys ``a``-``i``) for each contender ``repeats`` times, interleaved.
+    """Run the chosen workloads (keys ``a``-``m``, ``p``) for each contender ``repeats`` times, interleaved.
 
     Each contender runs each workload in a process of its own (:class:`ContenderProcess`), started before the
     workload's first run and ended after its last, so that no contender can bias another; memory is sampled
     over that process's tree only. Workloads with ``limit_bytes`` also time the parts of memshare's limit
     (:data:`LIMIT_PARTS`: one write of the data to /dev/shm, one first touch of it in a worker) in the same
-    rotation as the contenders.
+    rotation as the contenders. A workload with ``operations`` is timed operation by operation; those in its
+    ``fresh_process`` get a new contender process at each repeat.
     """
     from tqdm import tqdm
 
@@ -325,12 +352,18 @@ def run_benchmark(
     plans = []
     for workload in chosen:
         report.titles[workload.key] = workload.title
+        if workload.reference != "joblib":
+            report.references[workload.key] = workload.reference
         reason = workload.skip_reason()
         if reason:
             report.notes.append(f"({workload.key}) skipped: {reason}")
             print(f"note: workload ({workload.key}) skipped: {reason}", file=sys.stderr)
             continue
         names = [c for c in workload.contenders if c in contenders]
+        if not names:
+            its = ", ".join(workload.contenders)
+            report.notes.append(f"({workload.key}) not run: none of its contenders ({its}) was chosen")
+            continue
         if workload.limit_bytes is not None and "memshare" in names:
             # The results' limit has no first touch: the parent maps the result files without reading them.
             names += [part for part in LIMIT_PARTS if workload.limit_formula == "inputs" or part != "first-touch"]
@@ -341,7 +374,7 @@ def run_benchmark(
         if quick:
             jobs_values = tuple(j for j in jobs_values if j <= 2) or (1,)
         plans.append((workload, names, jobs_values))
-    total = sum(len(names) * len(jv) * repeats for _, names, jv in plans)
+    total = sum(len(names) * len(jv) * repeats * len(w.operations or ("",)) for w, names, jv in plans)
 
     bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="run")
     try:
@@ -352,7 +385,7 @@ def run_benchmark(
                 pickled = None
                 for name in names:
                     if name in PICKLING and pickled is not None and pickled > pickle_budget:
-                        bar.update(repeats * len(jobs_values))
+                        bar.update(repeats * len(jobs_values) * len(workload.operations or ("",)))
                         report.notes.append(
                             f"({workload.key}) {name} skipped: it would pickle {format_size(pickled)} per call "
                             f"(budget {format_size(pickle_budget)})"
@@ -364,10 +397,10 @@ def run_benchmark(
                     except ContenderDied as died:
                         _note_death(report, workload.key, died, "preparing its data")
                         processes.pop(name).close()
-                        bar.update(repeats * len(jobs_values))
+                        bar.update(repeats * len(jobs_values) * len(workload.operations or ("",)))
                         continue
                     pickled = prepared if pickled is None else pickled
-                _run_rotation(report, workload.key, processes, jobs_values, repeats, bar)
+                _run_rotation(report, workload, processes, jobs_values, repeats, bar, (size, quick))
             finally:
                 for process in processes.values():
                     process.close()
@@ -384,57 +417,95 @@ def _note_death(report: Report, key: str, died: ContenderDied, when: str) -> Non
     print(f"note: {note}", file=sys.stderr)
 
 
-def _run_rotation(report: Report, key: str, processes: Dict[str, Any], jobs_values, repeats: int, bar) -> None:
-    """Every contender of one workload, ``repeats`` times per n_jobs, in an order rotated at each repeat."""
+def _run_rotation(
+    report: Report,
+    workload: Workload,
+    processes: Dict[str, Any],
+    jobs_values,
+    repeats: int,
+    bar,
+    prepare_args: Tuple[int, bool],
+) -> None:
+    """Every contender of one workload, ``repeats`` times per n_jobs (and operation), in an order rotated at each
+    repeat. An operation of ``workload.fresh_process`` is timed in a new process, prepared and closed around it."""
+    key = workload.key
     active = list(processes)
     for jobs in jobs_values:
-        for repeat in range(repeats):
-            if not active:
-                return
-            shift = repeat % len(active)
-            for name in active[shift:] + active[:shift]:
-                bar.set_description(f"({key}) {name} n_jobs={jobs} #{repeat + 1}")
-                process = processes[name]
-                try:
-                    seconds, peak, end, correct, stats, imported = process.measure(
-                        jobs if name != "serial" else 1, report.memory_mode
+        for operation in workload.operations or ("",):
+            what = f" {operation}" if operation else ""
+            for repeat in range(repeats):
+                if not active:
+                    return
+                shift = repeat % len(active)
+                for name in active[shift:] + active[:shift]:
+                    bar.set_description(f"({key}){what} {name} n_jobs={jobs} #{repeat + 1}")
+                    fresh = operation in workload.fresh_process
+                    try:
+                        process = ContenderProcess(name) if fresh else processes[name]
+                        try:
+                            if fresh:
+                                process.prepare(key, *prepare_args)
+                            seconds, peak, end, correct, stats, imported = process.measure(
+                                jobs if name != "serial" else 1, report.memory_mode, operation
+                            )
+                        finally:
+                            if fresh:
+                                process.close()
+                    except ContenderDied as died:
+                        _note_death(report, key, died, f"timed at n_jobs={jobs}{what}")
+                        active.remove(name)
+                        continue
+                    if not correct:
+                        report.notes.append(f"({key}){what} {name} n_jobs={jobs}: WRONG RESULT")
+                    report.measurements.append(
+                        Measurement(
+                            key,
+                            name,
+                            jobs,
+                            seconds,
+                            peak,
+                            correct,
+                            stats,
+                            process.pid,
+                            imported,
+                            end_extra_bytes=end,
+                            operation=operation,
+                        )
                     )
-                except ContenderDied as died:
-                    _note_death(report, key, died, f"timed at n_jobs={jobs}")
-                    active.remove(name)
-                    continue
-                if not correct:
-                    report.notes.append(f"({key}) {name} n_jobs={jobs}: WRONG RESULT")
-                report.measurements.append(
-                    Measurement(
-                        key, name, jobs, seconds, peak, correct, stats, process.pid, imported, end_extra_bytes=end
-                    )
-                )
-                bar.update(1)
+                    bar.update(1)
 
 
 def _groups(report: Report) -> Dict[tuple, List[Measurement]]:
+    """Measurements by (workload, operation, n_jobs, contender)."""
     groups: Dict[tuple, List[Measurement]] = {}
     for m in report.measurements:
-        groups.setdefault((m.workload, m.n_jobs, m.contender), []).append(m)
+        groups.setdefault((m.workload, m.operation, m.n_jobs, m.contender), []).append(m)
     return groups
 
 
+def row_label(workload: str, operation: str = "") -> str:
+    """How a table names a workload, or one operation of it: ``(a)``, ``(p) start``."""
+    return f"({workload}) {operation}" if operation else f"({workload})"
+
+
 def summarize(report: Report) -> List[Dict[str, Any]]:
-    """One row per (workload, n_jobs, contender): medians, ranges and ratios against joblib."""
+    """One row per (workload, operation, n_jobs, contender): medians, ranges and ratios against joblib (or the
+    workload's own reference: joblib's pool in (p))."""
     groups = _groups(report)
     medians = {key: statistics.median(m.seconds for m in ms) for key, ms in groups.items()}
     memories = {key: statistics.median(m.peak_extra_bytes for m in ms) for key, ms in groups.items()}
     after = {key: statistics.median(m.end_extra_bytes for m in ms) for key, ms in groups.items()}
     rows = []
     for key, ms in groups.items():
-        workload, jobs, contender = key
+        workload, operation, jobs, contender = key
         if contender in LIMIT_PARTS:
             continue
-        ref = (workload, jobs, "joblib")
+        ref = (workload, operation, jobs, report.references.get(workload, "joblib"))
         rows.append(
             {
                 "workload": workload,
+                "operation": operation,
+                "label": row_label(workload, operation),
                 "n_jobs": jobs,
                 "contender": contender,
                 "median": medians[key],
@@ -449,15 +520,39 @@ def summarize(report: Report) -> List[Dict[str, Any]]:
             }
         )
     order = {c: i for i, c in enumerate(CONTENDERS)}
-    rows.sort(key=lambda r: (r["workload"], r["n_jobs"], order.get(r["contender"], 99)))
+    operations = {op: i for i, op in enumerate(dict.fromkeys(m.operation for m in report.measurements))}
+    rows.sort(key=lambda r: (r["workload"], r["n_jobs"], operations[r["operation"]], order.get(r["contender"], 99)))
     return rows
 
 
-def _median(report: Report, workload: str, jobs: int, contender: str) -> Optional[float]:
+def _median(report: Report, workload: str, jobs: int, contender: str, operation: str = "") -> Optional[float]:
     times = [
-        m.seconds for m in report.measurements if (m.workload, m.n_jobs, m.contender) == (workload, jobs, contender)
+        m.seconds
+        for m in report.measurements
+        if (m.workload, m.n_jobs, m.contender, m.operation) == (workload, jobs, contender, operation)
     ]
     return statistics.median(times) if times else None
+
+
+def pool_rows(report: Report) -> List[Dict[str, Any]]:
+    """Workload (p): each pool's median per operation, against ``multiprocessing.Pool`` with the same start
+    method (the row's own when it is such a pool) and against joblib's pool."""
+    rows = []
+    for r in summarize(report):
+        if r["workload"] != POOL_WORKLOAD or r["contender"] not in POOL_CONTENDERS:
+            continue
+        jobs, op = r["n_jobs"], r["operation"]
+        same = _median(report, POOL_WORKLOAD, jobs, f"mp.Pool-{pool_start_method(r['contender'])}", op)
+        joblib_pool = _median(report, POOL_WORKLOAD, jobs, "joblib-pool", op)
+        rows.append(
+            dict(
+                r,
+                same_method=r["median"] / same if same else None,
+                joblib_pool=r["median"] / joblib_pool if joblib_pool else None,
+                method=pool_start_method(r["contender"]),
+            )
+        )
+    return rows
 
 
 def limit_rows(report: Report) -> List[Dict[str, Any]]:
@@ -516,7 +611,7 @@ def loop_rows(report: Report) -> List[Dict[str, Any]]:
     serial = _median(report, LOOP_WORKLOAD, report.n_jobs, "serial")
     groups = {k: v for k, v in _groups(report).items() if k[0] == LOOP_WORKLOAD}
     rows = []
-    for (_, jobs, contender), ms in groups.items():
+    for (_, _, jobs, contender), ms in groups.items():
         median = statistics.median(m.seconds for m in ms)
         memory = statistics.median(m.peak_extra_bytes for m in ms)
         overhead = None if serial is None or contender == "serial" else (median - serial) / calls
@@ -568,6 +663,15 @@ def _legend(contenders: Sequence[str], columns: Sequence[Tuple[str, str]]) -> Li
     return lines
 
 
+def _stat_bytes(nbytes: float) -> str:
+    """Bytes for memshare's figures, where a few KiB of task payloads matter: KiB below 1 MiB."""
+    if 0 < nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    if 0 < nbytes < MiB:
+        return f"{nbytes / 1024:.1f} KiB"
+    return format_size(nbytes)
+
+
 def markdown_table(report: Report) -> str:
     """The results as markdown: a table, the workload legend, memshare's figures and the notes."""
     rows = summarize(report)
@@ -592,7 +696,7 @@ def markdown_table(report: Report) -> str:
         mr = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] is not None else "-"
         jobs = "1 (in-process)" if r["contender"] == "serial" else r["n_jobs"]
         lines.append(
-            f"| ({r['workload']}) | {r['contender']} | {jobs} | {r['median']:.3f} s "
+            f"| {r['label']} | {r['contender']} | {jobs} | {r['median']:.3f} s "
             f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {format_size(r['after'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )
@@ -643,6 +747,22 @@ def markdown_table(report: Report) -> str:
                 f"| {_fmt(r['memory_per_data'], '.2f')} |"
             )
         lines += _legend([r["contender"] for r in loops], LOOP_COLUMN_MEANINGS)
+    pools = pool_rows(report)
+    if pools:
+        lines += [
+            "",
+            f"Pools on small items ({POOL_WORKLOAD}): each operation against multiprocessing.Pool with the same start "
+            "method as the row's pool, and against joblib's pool (< 1 is better).",
+            "",
+            "| operation | contender | start method | n_jobs | median time | / mp.Pool, same start method "
+            "| / joblib's pool |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in pools:
+            lines.append(
+                f"| {r['operation']} | {r['contender']} | {r['method']} | {r['n_jobs']} | {r['median']:.3f} s "
+                f"| {_fmt(r['same_method'], '.2f')} | {_fmt(r['joblib_pool'], '.2f')} |"
+            )
     lines += ["", "Workloads:", ""]
     lines += [f"- ({k}) {t}" for k, t in report.titles.items()]
     stats_rows = [r for r in rows if r["contender"].startswith("memshare") and r["stats"]]
@@ -650,10 +770,10 @@ def markdown_table(report: Report) -> str:
         lines += ["", "memshare.last_call_stats() after the last repeat:", ""]
         for r in stats_rows:
             figures = ", ".join(
-                f"{k}={format_size(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
+                f"{k}={_stat_bytes(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
                 for k, v in r["stats"].items()
             )
-            lines.append(f"- ({r['workload']}) {r['contender']} n_jobs={r['n_jobs']}: {figures}")
+            lines.append(f"- {r['label']} {r['contender']} n_jobs={r['n_jobs']}: {figures}")
     if report.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
@@ -693,7 +813,11 @@ def plot_workloads(report: Report, path: str) -> bool:
     The picture people look at first: one bar per contender and workload
     (ratio to joblib, log scale, 1 = as joblib), at the run's n_jobs.
     """
-    rows = [r for r in summarize(report) if r["n_jobs"] == report.n_jobs and r["contender"] != "joblib"]
+    rows = [
+        r
+        for r in summarize(report)
+        if r["n_jobs"] == report.n_jobs and r["contender"] != report.references.get(r["workload"], "joblib")
+    ]
     rows = [r for r in rows if r["time_ratio"] is not None or r["memory_ratio"] is not None]
     if not rows:
         return False
@@ -702,18 +826,19 @@ def plot_workloads(report: Report, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({r["workload"] for r in rows})
+    keys = list(dict.fromkeys(r["label"] for r in rows))
     names = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
     width = 0.8 / len(names)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, column, title in zip(axes, ("time_ratio", "memory_ratio"), ("time / joblib", "peak extra memory / joblib")):
         for i, name in enumerate(names):
-            mine = {r["workload"]: r[column] for r in rows if r["contender"] == name and r[column]}
+            mine = {r["label"]: r[column] for r in rows if r["contender"] == name and r[column]}
             xs = [k for k, key in enumerate(keys) if key in mine]
             ax.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [mine[keys[x]] for x in xs], width, label=name)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_yscale("log")
-        ax.set_xticks(range(len(keys)), [f"({k})" for k in keys])
+        tilted = len(keys) > 8  # many labels ("(p) start" and the like) side by side would overlap
+        ax.set_xticks(range(len(keys)), keys, rotation=45 if tilted else 0, ha="right" if tilted else "center")
         ax.set(xlabel="workload (see the report)", ylabel=f"{title} (log; < 1 is better)", title=title)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize="small")
@@ -762,9 +887,14 @@ def build_parser(
         "--workloads",
         default=default_workloads,
         help=f"workload keys among {DEFAULT_WORKLOADS}, listed with the results (default {default_workloads}: "
-        f"{every}; g needs scikit-learn)",
+        f"{every}; g needs scikit-learn; j, k and m need pandas and pyarrow, and are skipped without them)",
     )
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated contenders")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated, among {', '.join(CONTENDERS)} (default: all; each workload runs those of its own "
+        "contenders that are listed, as its table shows)",
+    )
     parser.add_argument("--n-jobs", type=int, default=2, help="workers (default 2)")
     parser.add_argument("--pickle-budget", type=parse_size, default=4 * GiB, help="skip pickling beyond this")
     parser.add_argument(

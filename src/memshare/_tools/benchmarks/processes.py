@@ -74,10 +74,13 @@ class ContenderProcess:
         """Build the workload's data in the process; return what a pickling contender would copy per call."""
         return self._ask(("prepare", key, size, quick), "prepared")[1]
 
-    def measure(self, n_jobs: int, memory_mode: str) -> Tuple[float, int, int, bool, Dict[str, Any], bool]:
-        """One timed run: (seconds, peak extra bytes of the process tree, extra bytes still held once the call
-        returned, correct, memshare figures, whether the process imported memshare)."""
-        self._ask(("measure", n_jobs), "ready")
+    def measure(
+        self, n_jobs: int, memory_mode: str, operation: str = ""
+    ) -> Tuple[float, int, int, bool, Dict[str, Any], bool]:
+        """One timed run (of ``operation``, for a workload that has several): (seconds, peak extra bytes of the
+        process tree, extra bytes still held once the call returned, correct, memshare figures, whether the
+        process imported memshare)."""
+        self._ask(("measure", n_jobs, operation), "ready")
         with MemorySampler(self.pid, mode=memory_mode) as sampler:
             seconds = self._ask(("go",), "done")[1]
         _, correct, stats, imported = self._ask(("sampled",), "measured")

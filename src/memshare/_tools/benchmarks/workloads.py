@@ -13,6 +13,14 @@ Pickling contenders (``mp.Pool``, ``joblib-nomemmap``) get each task's own
 slice where the task only needs a slice, which is how one uses a pickling
 pool; when a task needs the whole array they must pickle it once per task, and
 the harness skips them when that would exceed a budget.
+
+Besides arrays: pandas DataFrames backed by Arrow (j, k, m; skipped without
+pandas and pyarrow), a large dict (l), and process pools on small items (p).
+A workload with ``operations`` (the pools) is timed once per operation, each
+in a session of its own (``custom_session``); the operations it lists in
+``fresh_process`` are timed in a new contender process at every repeat, so
+that nothing the first pool of a process started (a fork server, imported
+modules) serves the next one.
 """
 
 from __future__ import annotations
@@ -24,27 +32,54 @@ import operator
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 BASE_CONTENDERS: Tuple[str, ...] = ("memshare", "joblib", "joblib-nomemmap", "mp.Pool", "serial")
 # "memshare-plain": memshare's Parallel handed a plain np.ndarray where the workload gives memshare a shared array.
 # "memshare-copy": memshare with promote=False: a plain array is dumped (copied) instead of held once.
+# "memshare-broadcast": memshare's Parallel handed memshare.broadcast(obj) (made inside the timed call).
+# The pools of workload (p): memshare's and joblib's MemmappingPool, multiprocessing.Pool with two start methods.
+POOL_CONTENDERS: Tuple[str, ...] = ("memshare-pool", "joblib-pool", "mp.Pool-forkserver", "mp.Pool-fork")
 CONTENDERS: Tuple[str, ...] = (
     "memshare",
     "memshare-plain",
     "memshare-copy",
+    "memshare-broadcast",
     "joblib",
     "joblib-nomemmap",
     "mp.Pool",
     "serial",
-)
-MEMSHARE_CONTENDERS = ("memshare", "memshare-plain", "memshare-copy")
+) + POOL_CONTENDERS
+MEMSHARE_CONTENDERS = ("memshare", "memshare-plain", "memshare-copy", "memshare-broadcast")
 PICKLING = ("joblib-nomemmap", "mp.Pool")
 # Parts of the limit "serial / workers + one write + one first touch", timed in the same run as the contenders.
 LIMIT_PARTS: Tuple[str, ...] = ("shm-write", "first-touch")
+# memshare.last_call_stats() keys reported by default, and for data that is not an array (buffers, objects, payloads).
+STAT_KEYS: Tuple[str, ...] = (
+    "bytes_dumped",
+    "dump_seconds",
+    "arrays_held_once",
+    "bytes_refreshed",
+    "arrays_referenced",
+    "results_by_reference",
+    "arrays_pickled",
+)
+OBJECT_STAT_KEYS: Tuple[str, ...] = (
+    "tasks",
+    "bytes_pickled",
+    "buffers_dumped",
+    "bytes_buffers_dumped",
+    "buffers_pickled",
+    "bytes_buffers_pickled",
+    "objects_dumped",
+    "bytes_objects_dumped",
+    "results_by_reference",
+    "bytes_results_by_reference",
+)
 PAGE = mmap.PAGESIZE
+MiB = 1 << 20
 Task = Tuple[Callable[..., Any], tuple]
 
 
@@ -104,6 +139,61 @@ def fit_grid_search(X: np.ndarray, y: np.ndarray, n_jobs: int, backend: Optional
         with joblib.parallel_config(backend=backend, **config):
             search.fit(X, y)
     return (search.best_params_["alpha"], float(search.best_score_))
+
+
+def arrow_strings(nbytes: int, seed: int = 0) -> Any:
+    """A ``pyarrow`` string array of random strings of 24 to 40 letters, about ``nbytes`` with its offsets.
+
+    Built from its buffers directly (fast at any size). 32-bit offsets while they fit, as older pandas
+    (before 2.2) take only those into ``string[pyarrow]``; newer pandas widens them to 64 bits, copying
+    the offsets only.
+    """
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    rows = max(1, nbytes // 36)  # 32 letters on average + a 4-byte offset
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(rng.integers(24, 41, size=rows, dtype=np.int64), out=offsets[1:])
+    # 1 MiB of random letters repeated: strings at random offsets into it, as unlike each other as needed here,
+    # at the speed of a copy.
+    letters = np.resize(rng.integers(97, 123, size=min(int(offsets[-1]), MiB), dtype=np.uint8), int(offsets[-1]))
+    if offsets[-1] < 2**31:
+        return pa.StringArray.from_buffers(rows, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(letters))
+    return pa.LargeStringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(letters))
+
+
+def string_frame(nbytes: int, seed: int = 0) -> Any:
+    """A DataFrame with one ``string[pyarrow]`` column of about ``nbytes``."""
+    import pandas as pd
+    import pyarrow as pa
+
+    table = pa.table({"s": arrow_strings(nbytes, seed)})
+    string = pd.StringDtype("pyarrow")
+    return table.to_pandas(types_mapper={pa.string(): string, pa.large_string(): string}.get)
+
+
+def frame_statistic(frame: Any, k: int) -> Any:
+    """One cheap statistic of ``frame`` (which one depends on ``k``): the transport is what gets measured."""
+    column = frame[frame.columns[k % len(frame.columns)]]
+    which = k % 4
+    if which == 0:
+        return int(column.count())
+    if which == 1:
+        return str(column.iloc[(k * 1000) % len(column)])
+    if which == 2:
+        return int(column.isna().sum())
+    return len(frame)
+
+
+def lookup(table: Any, k: int) -> int:
+    """Sum of 100 entries of a dict of ``key-<i>`` -> i (or of a ``memshare.Broadcast`` of one)."""
+    table = table.value if type(table).__name__ == "Broadcast" else table
+    return sum(table[f"key-{(k * 7919 + j) % len(table)}"] for j in range(100))
+
+
+def increment(x: int) -> int:
+    """The pools' task (p): ``x + 1``."""
+    return x + 1
 
 
 # Contenders -----------------------------------------------------------------------------------------------------
@@ -210,6 +300,17 @@ class Workload:
     the others); :meth:`prepare_for` does both, in the contender's own process.
     ``limit_bytes(data)``, when set, is the size written and first-touched by the limit's
     parts (:data:`LIMIT_PARTS`), which the harness then times along with the contenders.
+
+    ``custom_session(data, contender, n_jobs, operation)``, when set, replaces :meth:`session`'s
+    own set-up: a context manager yielding the ``run()`` to time, for contenders that need
+    their own warm-up and clean-up (the pools of (p)); with contender ``"serial"`` it gives
+    the expected answer. ``operations`` names the separately timed operations of one
+    workload (each gets rows of its own), ``fresh_process`` those of them timed in a new
+    contender process at every repeat. ``reference`` is the contender the main table's
+    ratios divide by; ``stat_keys`` the keys of ``memshare.last_call_stats()`` reported.
+    ``warm(n_jobs)``, when set, gives tiny tasks run once after the workers start, untimed,
+    so that every worker imports what the timed tasks need (pandas and pyarrow, say) before
+    the timing, as the noop tasks that start them do not.
     """
 
     key: str
@@ -232,20 +333,33 @@ class Workload:
     # + one first touch) or "results" (each worker makes and writes its own share of the results, which the
     # parent maps without reading: (serial + one write) / workers).
     limit_formula: str = "inputs"
+    custom_session: Optional[Callable[[Any, str, int, str], ContextManager[Callable[[], Any]]]] = None
+    operations: Tuple[str, ...] = ()
+    fresh_process: Tuple[str, ...] = ()
+    reference: str = "joblib"
+    stat_keys: Tuple[str, ...] = STAT_KEYS
+    warm: Optional[Callable[[int], List[Task]]] = None
 
     def prepare_for(self, size: int, quick: bool, contender: str) -> Any:
         """The data ``contender`` gets, built in its own process."""
         return self.select(self.prepare(size, quick), contender)
 
-    def expected(self, data: Any) -> Any:
+    def expected(self, data: Any, operation: str = "") -> Any:
         """The answer, computed serially outside any timing."""
+        if self.custom_session is not None:
+            with self.custom_session(data, "serial", 1, operation) as run:
+                return run()
         if self.custom_run is not None:
             return self.custom_run(data, "serial", 1)
         return [func(*args) for func, args in self.tasks(data, False)]
 
     @contextlib.contextmanager
-    def session(self, data: Any, contender: str, n_jobs: int) -> Iterator[Callable[[], Any]]:
-        """Live, warmed workers for ``contender``; yields the ``run()`` callable to time."""
+    def session(self, data: Any, contender: str, n_jobs: int, operation: str = "") -> Iterator[Callable[[], Any]]:
+        """Live, warmed workers for ``contender``; yields the ``run()`` callable to time (of ``operation``)."""
+        if self.custom_session is not None:
+            with self.custom_session(data, contender, n_jobs, operation) as run:
+                yield run
+            return
         if contender in LIMIT_PARTS:
             with _limit_part(self.limit_bytes(data), data, contender) as run:
                 yield run
@@ -259,6 +373,8 @@ class Workload:
             return
         tasks = self.tasks(data, contender in PICKLING)
         with runner(contender, n_jobs) as r:
+            if self.warm is not None:
+                r.run(self.warm(n_jobs))
             if self.managed_second_call:
                 r.managed()
                 r.run(tasks)  # the first call, untimed: the second one is measured
@@ -385,8 +501,172 @@ def _tiny(size: int, quick: bool) -> int:
     return 1_000 if quick else 10_000
 
 
+def _arrow_skip() -> Optional[str]:
+    import importlib.util
+
+    missing = [m for m in ("pandas", "pyarrow") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"needs {' and '.join(missing)}, not installed here (pip install pandas pyarrow)"
+    return None
+
+
+FRAME_TASKS = 8
+
+
+def _arrow_dtype_frame(size: int, quick: bool) -> Any:
+    """A string and a float column (4/5 and 1/6 of ``size``) through Parquet and back, with Arrow dtypes.
+
+    Written to an in-memory Parquet file and read back as ``pd.read_parquet(..., dtype_backend="pyarrow")``
+    would (``types_mapper=pd.ArrowDtype``): the chunked columns with validity bitmaps a frame read from a
+    file has. Uncompressed and without dictionaries, so that building it stays quick.
+    """
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    strings = arrow_strings(size * 4 // 5)
+    floats = np.random.default_rng(1).random(len(strings))
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"s": strings, "f": floats}), sink, compression="none", use_dictionary=False)
+    del strings, floats
+    return pq.read_table(pa.BufferReader(sink.getvalue())).to_pandas(types_mapper=pd.ArrowDtype)
+
+
+def _frame_tasks(frame: Any, pickles: bool) -> List[Task]:
+    return [(frame_statistic, (frame, k)) for k in range(FRAME_TASKS)]
+
+
+def _warm_strings(n_jobs: int) -> List[Task]:
+    return [(frame_statistic, (string_frame(4000, k), k)) for k in range(2 * n_jobs)]
+
+
+def _warm_arrow_dtypes(n_jobs: int) -> List[Task]:
+    return [(frame_statistic, (_arrow_dtype_frame(4000, True), k)) for k in range(2 * n_jobs)]
+
+
+def _warm_results(n_jobs: int) -> List[Task]:
+    return [(string_frame, (4000, k)) for k in range(2 * n_jobs)]
+
+
+def _frames_equal(result: Any, expected: Any) -> bool:
+    return len(result) == len(expected) and all(
+        a.equals(b) and list(a.dtypes) == list(b.dtypes) for a, b in zip(result, expected)
+    )
+
+
+# The dict of (l): its pickle weighs about size / DICT_SHARE (a str -> int entry pickles to about 17 bytes, and
+# takes about 7 times that in memory); 40 tasks, 8 with --quick.
+DICT_SHARE = 64
+DICT_TASKS = 40
+DICT_TASKS_QUICK = 8
+
+
+def _dict_data(size: int, quick: bool) -> tuple:
+    entries = max(1000, size // DICT_SHARE // 17)
+    return {f"key-{i}": i for i in range(entries)}, DICT_TASKS_QUICK if quick else DICT_TASKS
+
+
+def _dict_run(data: tuple, contender: str, n_jobs: int) -> List[int]:
+    """The lookups of (l); memshare-broadcast broadcasts the dict inside the timed call, as a user would."""
+    table, n_tasks = data
+    if contender == "serial":
+        return [lookup(table, k) for k in range(n_tasks)]
+    argument = table
+    if contender == "memshare-broadcast":
+        import memshare
+
+        argument = memshare.broadcast(table)
+    return Runner(contender, n_jobs).run([(lookup, (argument, k)) for k in range(n_tasks)])
+
+
+# The pools of (p): the start method each uses. memshare's MemmappingPool defaults to forkserver (where it
+# exists); joblib's MemmappingPool, like multiprocessing.Pool, to the platform's default (the first listed).
+POOL_OPERATIONS: Tuple[str, ...] = ("start", "map", "imap", "apply")
+POOL_START_ITEMS = 100
+
+
+def pool_start_method(contender: str) -> str:
+    """The start method the pool contender ``contender`` starts its workers with."""
+    methods = mp.get_all_start_methods()
+    if contender == "memshare-pool":
+        return "forkserver" if "forkserver" in methods else methods[0]
+    if contender == "joblib-pool":
+        return methods[0]
+    return contender.rsplit("-", 1)[1]
+
+
+class _SerialPool:
+    """The pool interface run in the calling process: the expected answers of (p)."""
+
+    def map(self, func: Callable[[Any], Any], items: Any) -> List[Any]:
+        return [func(x) for x in items]
+
+    imap = map
+
+    def apply_async(self, func: Callable[..., Any], args: tuple) -> Any:
+        value = func(*args)
+        return type("Done", (), {"get": lambda self: value})()
+
+    def terminate(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+def _new_pool(contender: str, n_jobs: int) -> Any:
+    """A new pool of ``n_jobs`` workers; the pool's module is imported here (timed in "start")."""
+    if contender == "serial":
+        return _SerialPool()
+    if contender == "memshare-pool":
+        from memshare import MemmappingPool
+
+        return MemmappingPool(n_jobs)
+    if contender == "joblib-pool":
+        from joblib.pool import MemmappingPool as JoblibPool
+
+        return JoblibPool(n_jobs)
+    return mp.get_context(pool_start_method(contender)).Pool(n_jobs)
+
+
+@contextlib.contextmanager
+def _pool_session(counts: Dict[str, int], contender: str, n_jobs: int, operation: str) -> Iterator[Callable[[], Any]]:
+    """``run()`` for one operation of (p). "start" creates the pool and maps 100 items, timed; the others time
+    their operation on a pool created and used once before (untimed). The pool is terminated on exit."""
+    pools: List[Any] = []
+
+    def start() -> List[int]:
+        pools.append(_new_pool(contender, n_jobs))
+        return pools[0].map(increment, range(POOL_START_ITEMS))
+
+    def map_() -> List[int]:
+        return pools[0].map(increment, range(counts["map"]))
+
+    def imap() -> List[int]:
+        return list(pools[0].imap(increment, range(counts["imap"])))
+
+    def apply() -> List[int]:
+        pending = [pools[0].apply_async(increment, (i,)) for i in range(counts["apply"])]
+        return [result.get() for result in pending]
+
+    runs = {"start": start, "map": map_, "imap": imap, "apply": apply}
+    try:
+        if operation != "start":
+            start()
+        yield runs[operation]
+    finally:
+        # terminate, as joblib's pool asks, so that it removes its temporary folder; then wait for the workers.
+        for pool in pools:
+            pool.terminate()
+            pool.join()
+
+
+def _pool_counts(size: int, quick: bool) -> Dict[str, int]:
+    return {"map": 20_000, "imap": 2_000, "apply": 2_000}
+
+
 def make_workloads() -> Dict[str, Workload]:
-    """All workloads by key (a-i)."""
+    """All workloads by key (a-m and p)."""
     return {
         "a": Workload(
             "a",
@@ -467,5 +747,67 @@ def make_workloads() -> Dict[str, Workload]:
             calls=10,
             skip_reason=_shared_skip,
             select=_shared_for_memshare,
+        ),
+        "j": Workload(
+            "j",
+            f"Arrow strings: a DataFrame with one string[pyarrow] column of about the size, passed to "
+            f"{FRAME_TASKS} tasks that each compute one cheap statistic of it (joblib pickles it into every task)",
+            lambda size, quick: string_frame(size),
+            _frame_tasks,
+            contenders=("memshare", "joblib", "serial"),
+            skip_reason=_arrow_skip,
+            stat_keys=OBJECT_STAT_KEYS,
+            warm=_warm_strings,
+        ),
+        "k": Workload(
+            "k",
+            f"Arrow dtypes: a DataFrame read from (in-memory) Parquet with types_mapper=pd.ArrowDtype, a string "
+            f"and a float column of about the size in all, passed to {FRAME_TASKS} tasks each computing one "
+            "statistic",
+            _arrow_dtype_frame,
+            _frame_tasks,
+            contenders=("memshare", "joblib", "serial"),
+            skip_reason=_arrow_skip,
+            stat_keys=OBJECT_STAT_KEYS,
+            warm=_warm_arrow_dtypes,
+        ),
+        "l": Workload(
+            "l",
+            f"large dict: str -> int whose pickle weighs about size/{DICT_SHARE}, passed to {DICT_TASKS} tasks "
+            f"({DICT_TASKS_QUICK} with --quick) that each look up 100 keys; memshare-broadcast passes "
+            "memshare.broadcast(dict), made inside the timed call",
+            _dict_data,
+            lambda data, pickles: [],
+            contenders=("memshare", "memshare-broadcast", "joblib", "serial"),
+            custom_run=_dict_run,
+            stat_keys=OBJECT_STAT_KEYS,
+        ),
+        "m": Workload(
+            "m",
+            f"Arrow results: {FRAME_TASKS} tasks each build and return a string[pyarrow] DataFrame of size/"
+            f"{FRAME_TASKS} (the building, in the workers, is the same for all)",
+            lambda size, quick: max(40, size // FRAME_TASKS),
+            lambda n, pickles: [(string_frame, (n, seed)) for seed in range(FRAME_TASKS)],
+            contenders=("memshare", "joblib", "serial"),
+            check=_frames_equal,
+            skip_reason=_arrow_skip,
+            stat_keys=OBJECT_STAT_KEYS,
+            warm=_warm_results,
+        ),
+        "p": Workload(
+            "p",
+            "pools on small items, f(x) = x + 1: start = import the pool's module, create the pool and map "
+            f"{POOL_START_ITEMS} items, in a new process at each repeat (numpy, which memshare and joblib import, "
+            "already imported; a fork server imports that process's main module, which imports numpy, as it would "
+            "a user's script); map(f, range(20000)); list(imap(f, range(2000))); 2000 apply_async then get, "
+            "each on a pool created and used once before",
+            _pool_counts,
+            lambda data, pickles: [],
+            contenders=tuple(c for c in POOL_CONTENDERS if pool_start_method(c) in mp.get_all_start_methods()),
+            custom_session=_pool_session,
+            operations=POOL_OPERATIONS,
+            fresh_process=("start",),
+            reference="joblib-pool",
+            stat_keys=("tasks", "bytes_pickled"),
         ),
     }
