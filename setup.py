@@ -41,7 +41,7 @@ setup(
             "dask[distributed]>=2023.1",
             "ruff>=0.5",
         ],
-        "bench": ["matplotlib>=3.5", "scikit-learn>=1.2"],
+        "bench": ["matplotlib>=3.5", "scikit-learn>=1.2", "pandas>=1.5", "pyarrow>=10.0.1"],
     },
     entry_points={"console_scripts": ["memshare=memshare.__main__:main"]},
     classifiers=[
