@@ -6,6 +6,9 @@ transport is what is measured), two workers:
 * ``string[pyarrow]``: one ``string[pyarrow]`` column of about ``--size`` MB;
 * ``parquet``: a DataFrame read from a Parquet file with ``dtype_backend="pyarrow"`` (a string
   column and a float column, about ``--size`` MB in all);
+* ``object``: one object-dtype string column (Python ``str`` objects) of about ``--size`` MB of text,
+  which memshare pickles once per call as an argument object (there are no buffers to share);
+* ``numeric``: four float64 columns, ``--size`` MB in all (plain NumPy blocks: memshare holds them once);
 * ``returned``: the other way: 2 tasks each build and return a ``string[pyarrow]`` DataFrame of
   about ``--size``/2 MB (the time includes building it in the worker, the same for both).
 
@@ -33,7 +36,7 @@ from typing import Dict, List
 
 TASKS = 8
 CONTENDERS = ("memshare", "joblib")
-WORKLOADS = ("string[pyarrow]", "parquet", "returned")
+WORKLOADS = ("string[pyarrow]", "parquet", "object", "numeric", "returned")
 
 _CHILD = r"""
 import json, os, pickle, sys, time
@@ -55,6 +58,12 @@ def strings(nbytes):
 
 
 def make(workload, size_mb, folder):
+    if workload == "numeric":
+        rows = size_mb * 1024**2 // 32
+        return pd.DataFrame(np.random.default_rng(2).random((rows, 4)), columns=list("abcd"))
+    if workload == "object":
+        column = strings(size_mb * 1024**2).to_pylist()
+        return pd.DataFrame({"s": pd.Series(column, dtype=object)})
     column = strings(size_mb * 1024**2 if workload == "string[pyarrow]" else size_mb * 1024**2 * 3 // 4)
     if workload == "string[pyarrow]":
         return pa.table({"s": column}).to_pandas(types_mapper={pa.string(): pd.StringDtype("pyarrow")}.get)
@@ -109,7 +118,7 @@ def main():
         out = [len(f) for f in out]
         pickled = None
     else:
-        data_bytes = int(frame.memory_usage(deep=False).sum())
+        data_bytes = int(frame.memory_usage(deep=workload == "object").sum())  # str objects count too
         if contender == "memshare":
             pickled = memshare.last_call_stats()["bytes_pickled"]
         else:
