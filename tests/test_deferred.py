@@ -50,12 +50,13 @@ def wait_for_file(path, index, array):
 def test_batches_dispatched_ahead_are_not_packed_until_loky_sends_them(tmp_path):
     """pre_dispatch="all" hands joblib's 20 batches to the backend at once; only those loky sends are packed.
 
-    Packing at dispatch pickled all 20 at once and dumped each one's 2 MiB
-    array while the workers were still blocked on the first two.
+    Packing at dispatch pickled all 20 at once while the workers were still
+    blocked on the first two. (The arguments are small: batches that write
+    dumps wait for more, see the last test.)
     """
     gate = str(tmp_path / "go")
     _packed.clear()
-    arrays = [np.full(MIB // 4, float(i)) for i in range(20)]  # 2 MiB each: dumped, one per task
+    arrays = [np.full(1000, float(i)) for i in range(20)]
     results = []
     call = threading.Thread(
         target=lambda: results.extend(

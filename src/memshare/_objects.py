@@ -294,18 +294,32 @@ def _with_parts(arguments: Iterable[Any], depth: int = 2) -> Iterator[Any]:
             yield from _with_parts(argument.values(), depth - 1)
 
 
-def task_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
-    """The objects a task passes to the user's functions: of each call of a joblib batch, of a pool's chunk, or
-    ``args`` and ``kwargs``."""
+def task_arguments(func: Any, args: tuple, kwargs: dict) -> List[Any]:
+    """The objects a task passes to the user's functions (of each call of a joblib batch, of a pool's chunk, or
+    ``args`` and ``kwargs``), leaving out those of plain types (numbers, strings, bytes, None).
+
+    A plain loop rather than chained generators: a batch of tiny tasks
+    passes hundreds of numbers, and this runs for every batch.
+    """
+    found: List[Any] = []
     calls = batched_calls(func)
     if calls is not None:
         for _, call_args, call_kwargs in calls:
-            yield from call_args
-            yield from call_kwargs.values()
-        return
+            for argument in call_args:
+                if type(argument) not in _PLAIN:
+                    found.append(argument)
+            if call_kwargs:
+                for argument in call_kwargs.values():
+                    if type(argument) not in _PLAIN:
+                        found.append(argument)
+        return found
     arguments_of = getattr(func, "arguments_of", None)  # a chunk of a pool's map (``_feed.MapChunk``)
     if arguments_of is not None and len(args) == 1:
-        yield from arguments_of(args[0])
-        return
-    yield from args
-    yield from kwargs.values()
+        return [argument for argument in arguments_of(args[0]) if type(argument) not in _PLAIN]
+    for argument in args:
+        if type(argument) not in _PLAIN:
+            found.append(argument)
+    for argument in kwargs.values():
+        if type(argument) not in _PLAIN:
+            found.append(argument)
+    return found

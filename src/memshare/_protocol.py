@@ -10,8 +10,9 @@ outcome. This module is the bottom of the transport: it imports none of it.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -36,6 +37,30 @@ class ResultSpec:
     #: None: results are named files.
     inbox: Optional[str] = None
     owner: int = 0
+
+    def __reduce__(self) -> Tuple[Any, tuple]:
+        # Every task of a session carries the same spec: pickle it once (the
+        # dataclass's own reduction goes through copyreg in Python, for every
+        # task), and let each worker unpickle each distinct spec once.
+        wire = self.__dict__.get("_wire")
+        if wire is None:
+            wire = pickle.dumps((self.folder, self.max_nbytes, self.inbox, self.owner), protocol=5)
+            object.__setattr__(self, "_wire", wire)
+        return _result_spec, (wire,)
+
+
+#: In a worker: the specs met so far, by their pickled form (a few per parent; see _result_spec).
+_received_specs: Dict[bytes, ResultSpec] = {}
+
+
+def _result_spec(wire: bytes) -> ResultSpec:
+    spec = _received_specs.get(wire)
+    if spec is None:
+        if len(_received_specs) >= 64:  # specs of sessions long gone: start afresh
+            _received_specs.clear()
+        spec = _received_specs[wire] = ResultSpec(*pickle.loads(wire))
+        object.__setattr__(spec, "_wire", wire)
+    return spec
 
 
 @dataclass(frozen=True)
