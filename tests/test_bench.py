@@ -83,7 +83,7 @@ def test_memshare_bench_entry_point(tmp_path):
 
 def test_limit_and_loop_rows_arithmetic():
     """limit = serial / workers (capped at the cores) + write + first touch; loop overhead = (time - serial) / 10."""
-    from memshare._tools.benchmarks.harness import Measurement, Report, limit_rows, loop_rows
+    from memshare._tools.benchmarks.results import Measurement, Report, limit_rows, loop_rows
 
     report = Report(size=1000, n_jobs=2, repeats=1)
     parts = [("serial", 1.0), ("shm-write", 0.3), ("first-touch", 0.1), ("memshare", 1.2), ("joblib", 2.0)]
@@ -104,7 +104,7 @@ def test_limit_and_loop_rows_arithmetic():
 
 def test_results_limit_is_the_workers_making_and_writing_their_share():
     """For results (c): limit = (serial + one write) / workers, with no first touch; memshare's ratio follows."""
-    from memshare._tools.benchmarks.harness import Measurement, Report, limit_rows
+    from memshare._tools.benchmarks.results import Measurement, Report, limit_rows
 
     report = Report(size=1000, n_jobs=2, repeats=1, limit_formulas={"c": "results"})
     for name, seconds in [("serial", 0.6), ("shm-write", 0.4), ("memshare", 0.55), ("joblib", 3.0)]:
@@ -156,7 +156,7 @@ def test_bench_help_states_the_real_defaults():
     """``bench --help`` names the workloads and size a plain ``bench`` runs, and names the command as invoked."""
     from memshare._tools.bench import DEFAULT_WORKLOADS
     from memshare._tools.benchmarks.harness import DEFAULT_WORKLOADS as ALL
-    from memshare._tools.benchmarks.harness import default_size, format_size
+    from memshare._tools.benchmarks.machine import default_size, format_size
 
     result = subprocess.run(
         [sys.executable, "-m", "memshare", "bench", "--help"], capture_output=True, text=True, timeout=60

@@ -14,9 +14,13 @@ import psutil
 import pytest
 from conftest import wait_until
 
-from memshare._tools.benchmarks import harness
-from memshare._tools.benchmarks.harness import Measurement, Report, markdown_table, pool_rows, run_benchmark
-from memshare._tools.benchmarks.workloads import CONTENDERS, POOL_OPERATIONS, make_workloads
+from memshare._tools.benchmarks import harness, machine
+from memshare._tools.benchmarks.harness import run_benchmark
+from memshare._tools.benchmarks.report import markdown_table
+from memshare._tools.benchmarks.results import Measurement, Report, pool_rows, summarize
+from memshare._tools.benchmarks.runners import CONTENDERS
+from memshare._tools.benchmarks.workloads import make_workloads
+from memshare._tools.benchmarks.workloads_pool import POOL_OPERATIONS
 
 MiB = 1 << 20
 needs_arrow = pytest.mark.skipif(
@@ -91,7 +95,7 @@ def test_pool_workload_times_each_operation_and_starts_in_a_fresh_process():
 
 def test_pool_ratios_are_to_the_same_start_method_and_to_joblibs_pool():
     """memshare's pool is divided by mp.Pool with its start method, joblib's by mp.Pool with the default one."""
-    from memshare._tools.benchmarks.workloads import pool_start_method
+    from memshare._tools.benchmarks.workloads_pool import pool_start_method
 
     report = Report(size=MiB, n_jobs=2, repeats=1, references={"p": "joblib-pool"})
     times = {"memshare-pool": 0.6, "joblib-pool": 0.3, "mp.Pool-forkserver": 0.2, "mp.Pool-fork": 0.1}
@@ -103,7 +107,7 @@ def test_pool_ratios_are_to_the_same_start_method_and_to_joblibs_pool():
         assert row["same_method"] == pytest.approx(times[name] / same)
         assert row["joblib_pool"] == pytest.approx(times[name] / 0.3)
     assert rows["mp.Pool-fork"]["same_method"] == pytest.approx(1.0)
-    main = {r["contender"]: r for r in harness.summarize(report)}
+    main = {r["contender"]: r for r in summarize(report)}
     assert main["memshare-pool"]["time_ratio"] == pytest.approx(2.0)  # the main table's reference: joblib's pool
     assert "| (p) start | memshare-pool |" in markdown_table(report)
 
@@ -125,11 +129,11 @@ def test_arrow_workloads_are_skipped_with_a_reason_without_pandas(monkeypatch):
 def test_memory_guard_counts_the_new_workloads():
     """The guard's estimate: (j) holds the frame in each of its 3 processes plus joblib's copies; (p) nothing."""
     size = 64 * MiB
-    assert harness.estimate_peak("j", CONTENDERS, size) == (size * (3 + 4), "j", 3)
-    assert harness.estimate_peak("l", CONTENDERS, size)[0] == int(size * (4 * 0.25 + 0.5))
-    assert harness.estimate_peak("p", CONTENDERS, size)[0] == 0
-    with pytest.raises(harness.TooLargeError, match=r"workload \(j\)"):
-        harness.check_fits("jp", CONTENDERS, size, available=6 * size)
+    assert machine.estimate_peak("j", CONTENDERS, size) == (size * (3 + 4), "j", 3)
+    assert machine.estimate_peak("l", CONTENDERS, size)[0] == int(size * (4 * 0.25 + 0.5))
+    assert machine.estimate_peak("p", CONTENDERS, size)[0] == 0
+    with pytest.raises(machine.TooLargeError, match=r"workload \(j\)"):
+        machine.check_fits("jp", CONTENDERS, size, available=6 * size)
 
 
 def test_a_workload_with_none_of_the_chosen_contenders_says_so():

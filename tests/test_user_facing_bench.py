@@ -14,9 +14,11 @@ import signal
 
 import pytest
 
-from memshare._tools.benchmarks import harness, memory
-from memshare._tools.benchmarks.harness import Measurement, Report, markdown_table
+from memshare._tools.benchmarks import harness, machine, memory
 from memshare._tools.benchmarks.processes import ContenderProcess, describe_exit
+from memshare._tools.benchmarks.report import markdown_table
+from memshare._tools.benchmarks.results import Measurement, Report
+from memshare._tools.benchmarks.runners import CONTENDERS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -160,7 +162,7 @@ def test_without_matplotlib_the_run_says_how_to_get_the_picture(monkeypatch, tmp
 
 def test_a_size_larger_than_the_machine_is_refused_before_any_data_is_made(monkeypatch, tmp_path, capsys):
     FakeProcess.started = []
-    total = harness._meminfo("MemTotal")
+    total = machine._meminfo("MemTotal")
     size = f"{2 * total // GiB + 1}G"
     code, out = _main(monkeypatch, tmp_path, capsys, "--size", size)
     assert code == 2 and FakeProcess.started == [], out
@@ -169,13 +171,13 @@ def test_a_size_larger_than_the_machine_is_refused_before_any_data_is_made(monke
 
 def test_the_estimate_counts_each_contender_process_and_the_copies_of_the_one_timed():
     """(a) with memshare and joblib: 4 processes (with the limit's 2 parts) hold the data, one copy on top."""
-    peak, key, processes = harness.estimate_peak("a", ["memshare", "joblib"], GiB)
+    peak, key, processes = machine.estimate_peak("a", ["memshare", "joblib"], GiB)
     assert (peak, key, processes) == (5 * GiB, "a", 4)
-    harness.check_fits("a", ["memshare", "joblib"], 4 * GiB, available=24 * GiB)  # 20 GiB: fits
-    with pytest.raises(harness.TooLargeError, match=r"largest size that fits is") as refused:
-        harness.check_fits("a", list(harness.CONTENDERS), 4 * GiB, available=24 * GiB)
+    machine.check_fits("a", ["memshare", "joblib"], 4 * GiB, available=24 * GiB)  # 20 GiB: fits
+    with pytest.raises(machine.TooLargeError, match=r"largest size that fits is") as refused:
+        machine.check_fits("a", list(CONTENDERS), 4 * GiB, available=24 * GiB)
     largest = int(re.search(r"--size (\d+)M", str(refused.value)).group(1)) * MiB
-    harness.check_fits("a", list(harness.CONTENDERS), largest, available=24 * GiB)  # the size it names fits
+    machine.check_fits("a", list(CONTENDERS), largest, available=24 * GiB)  # the size it names fits
 
 
 def test_exit_statuses_in_words():

@@ -30,14 +30,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare b
     machine) and without ``--workloads`` the main workloads run, so the
     default run takes a few minutes.
     """
-    from .benchmarks import harness
+    from .benchmarks import harness, machine
 
     return harness.main(
         list(sys.argv[2:] if argv is None else argv),
         prog=prog,
         command=prog,
         default_workloads=DEFAULT_WORKLOADS,
-        default_size=min(_DEFAULT_BYTES, harness.default_size()),
+        default_size=min(_DEFAULT_BYTES, machine.default_size()),
     )
 
 

@@ -5,7 +5,8 @@ that imported memshare (which registers a joblib backend and starts its own exec
 leftovers (workers, mappings, freed but unreturned memory) never weigh on the next one's time or memory.
 
 This file is run as a script (``python .../_contender.py NAME FD``), not imported from the package: its folder
-is then first on ``sys.path`` and ``workloads`` is imported as a top-level module, without importing memshare.
+is then first on ``sys.path`` and ``workloads`` (with the sibling modules it imports: ``runners``,
+``workloads_data``, ``workloads_pool``) is imported as a top-level module, without importing memshare.
 Only the memshare contenders (and the workloads that share an array with ``memshare.share``) import it.
 
 Protocol (pickled tuples on the socket, the harness speaks first):
@@ -28,7 +29,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Dict
 
-import workloads  # the sibling module, imported as top-level (see above)
+import runners  # the sibling modules, imported as top-level (see above)
+import workloads
 
 
 def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: str, n_jobs: int, operation: str) -> Any:
@@ -63,7 +65,7 @@ def serve(conn: Connection, name: str) -> None:
             data = workloads.fresh(data)
             result = _measure(conn, workload, data, name, message[1], operation)
             correct = True
-            if name not in workloads.LIMIT_PARTS:
+            if name not in runners.LIMIT_PARTS:
                 if operation not in expected:  # computed once, after the first run: never timed, never sampled
                     expected[operation] = workload.expected(data, operation)
                 correct = workload.check(result, expected[operation])

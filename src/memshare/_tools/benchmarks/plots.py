@@ -1,0 +1,105 @@
+"""The pictures of a benchmark run: each contender against joblib per workload, and the n_jobs sweep (matplotlib).
+
+matplotlib is optional (the ``bench`` extra): it is imported only to draw,
+and :func:`write_picture` says how to get it where it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Optional
+
+from .machine import MiB, format_size
+from .results import Report, noise_reason, summarize
+from .runners import CONTENDERS
+
+
+def plot_sweep(report: Report, path: str) -> bool:
+    """PNG of time and peak memory against n_jobs (workload h); False if there is no sweep to plot."""
+    rows = [r for r in summarize(report) if r["workload"] == "h"]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for contender in sorted({r["contender"] for r in rows}):
+        mine = sorted((r for r in rows if r["contender"] == contender), key=lambda r: r["n_jobs"])
+        jobs = [r["n_jobs"] for r in mine]
+        ax_time.plot(jobs, [r["median"] for r in mine], marker="o", label=contender)
+        ax_mem.plot(jobs, [r["memory"] / MiB for r in mine], marker="o", label=contender)
+    ax_time.set(xlabel="n_jobs", ylabel="median time (s)", title="time, workload (a)")
+    ax_mem.set(xlabel="n_jobs", ylabel="peak extra memory (MiB)", title="memory, workload (a)")
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.suptitle(f"n_jobs sweep, array of {format_size(report.size)}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_workloads(report: Report, path: str) -> bool:
+    """PNG of each contender's time and peak memory against joblib's, per workload; False if nothing to plot.
+
+    The picture people look at first: one bar per contender and workload
+    (ratio to joblib, log scale, 1 = as joblib), at the run's n_jobs.
+    """
+    rows = [
+        r
+        for r in summarize(report)
+        if r["n_jobs"] == report.n_jobs and r["contender"] != report.references.get(r["workload"], "joblib")
+    ]
+    rows = [r for r in rows if r["time_ratio"] is not None or r["memory_ratio"] is not None]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys(r["label"] for r in rows))
+    names = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, column, title in zip(axes, ("time_ratio", "memory_ratio"), ("time / joblib", "peak extra memory / joblib")):
+        for i, name in enumerate(names):
+            mine = {r["label"]: r[column] for r in rows if r["contender"] == name and r[column]}
+            xs = [k for k, key in enumerate(keys) if key in mine]
+            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [mine[keys[x]] for x in xs], width, label=name)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        tilted = len(keys) > 8  # many labels ("(p) start" and the like) side by side would overlap
+        ax.set_xticks(range(len(keys)), keys, rotation=45 if tilted else 0, ha="right" if tilted else "center")
+        ax.set(xlabel="workload (see the report)", ylabel=f"{title} (log; < 1 is better)", title=title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize="small")
+    noisy = " - TOO NOISY TO TRUST" if noise_reason(report) else ""
+    fig.suptitle(f"memshare bench: array of {format_size(report.size)}, n_jobs={report.n_jobs}{noisy}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def default_picture_path() -> str:
+    """Where the default run puts its picture: a new file in the current folder, named by the time."""
+    return os.path.abspath(f"memshare-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
+
+
+def write_picture(report: Report, path: Optional[str]) -> str:
+    """Write the picture of ``report`` to ``path`` (default: :func:`default_picture_path`); say what happened."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return (
+            "picture: none: matplotlib is not installed. pip install 'memshare[bench]' (or pip install "
+            "matplotlib) to get a picture of time and memory per workload against joblib."
+        )
+    path = os.path.abspath(path or default_picture_path())
+    if not plot_workloads(report, path):
+        return "picture: none: no workload with both a contender and joblib to compare"
+    return f"picture: {path} (time and memory per workload against joblib)"
