@@ -10,17 +10,9 @@ the backend submits a :class:`DeferredTask`: its ``__reduce__`` packs the batch
 through the call's session at the moment loky's feeder pickles it, and the
 packed stream lives only as long as loky's own message would.
 
-Packing lazily is not enough on its own. loky's feeder writes joblib's
-pickled batch to a pipe, which blocks until a worker reads it: it holds one
-message at a time beyond what the workers took. memshare's packed batch is
-small (its large objects and buffers went to dumps), so the feeder would go on
-and pack every batch loky queues (a worker more than there are workers), each
-with its dumps. So a batch that wrote new dumps counts as *heavy* until its
-task ends, and the feeder waits before packing another while as many heavy
-batches as workers plus one are pending: a running one per worker and one
-queued, the dumps of at most one batch more than joblib holds pickled. The
-wait gives up after a while (a worker stuck in a long task) rather than hold
-up the executor for good.
+Packing lazily is not enough on its own: memshare's packed batches never
+block loky's pipe as joblib's pickled ones do, so batches that write new
+dumps also wait for room among the running ones (``_heavy``).
 
 The feeder thread has nobody to raise to: loky turns a pickling error into a
 ``PicklingError`` that names neither the argument nor memshare's own errors (no
@@ -33,17 +25,13 @@ object in the parent.
 from __future__ import annotations
 
 import itertools
-import threading
-import time
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import _forksafe
 from ._feed import Unsent
+from ._heavy import HeavyTasks, bytes_written
 from ._protocol import Task
 from ._session import Session
-
-#: How long the feeder waits at most for a heavy batch to end before packing the next one anyway, in seconds.
-HEAVY_WAIT = 30.0
 
 #: Called after each batch is packed, with the bytes it dumped and the batch (for joblib's batch sizing).
 OnPacked = Callable[[int, Any], None]
@@ -84,12 +72,9 @@ class DeferredFeed:
         self.session = session
         self._on_packed = on_packed
         self._lock = _forksafe.lock()
-        self._heavy_done = threading.Condition(self._lock)
         self._keys = itertools.count(1)
         self._failures: Dict[int, BaseException] = {}  # key of an Unsent -> the error it stands for
-        # Tokens of pending batches that wrote new dumps, and how many may be pending before packing waits.
-        self._heavy: Set[int] = set()
-        self._heavy_limit = max(1, workers) + 1
+        self._heavy = HeavyTasks(workers, stopped=lambda: session.closed)
 
     def defer(self, batch: Any) -> DeferredTask:
         """A task standing for ``batch``, to be packed when it is pickled."""
@@ -104,50 +89,36 @@ class DeferredFeed:
         if batch is None:  # pickled a second time: nothing left to pack
             return self._failed(RuntimeError("memshare: a task was pickled twice"))
         session = self.session
-        self._wait_for_room()
+        self._heavy.wait_for_room()
         dumped_before = session.stats.bytes_dumped  # only this thread packs this session's tasks
-        written_before = _written(session)
+        written_before = bytes_written(session.stats)
         try:
             task = session.pack_task(batch)
         except BaseException as exc:  # this thread has nobody to raise to
             return self._failed(exc)
-        with self._lock:
+        with self._lock:  # against abandon(): a batch abandoned meanwhile must not stay heavy
             deferred.token = task.token
             abandoned = deferred._abandoned
-            if not abandoned and _written(session) > written_before:
-                self._heavy.add(task.token)
+            if not abandoned:
+                self._heavy.packed(task.token, written_before, bytes_written(session.stats))
         if abandoned:  # its future already failed (a broken executor): nobody will finish it
             session.task_done(task.token)
         if self._on_packed is not None:
             self._on_packed(session.stats.bytes_dumped - dumped_before, batch)
         return task
 
-    def _wait_for_room(self) -> None:
-        """Wait while the heavy batches pending fill every worker and the queue (see the module's docstring)."""
-        deadline = time.monotonic() + HEAVY_WAIT
-        with self._lock:
-            while len(self._heavy) >= self._heavy_limit and not self.session.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._heavy_done.wait(min(left, 0.5))  # in slices: a session closed meanwhile ends the wait
-
     def ended(self, deferred: DeferredTask) -> None:
         """``deferred``'s future is done (its task ended, failed or was cancelled): it is no longer heavy."""
-        with self._lock:
-            if deferred.token in self._heavy:
-                self._heavy.discard(deferred.token)
-                self._heavy_done.notify_all()
+        if deferred.token is not None:
+            self._heavy.ended(deferred.token)
 
     def abandon(self, deferred: DeferredTask) -> None:
         """Release what ``deferred`` holds, now or as soon as it is packed: its outcome will never be read."""
         with self._lock:
             deferred._abandoned = True
             token = deferred.token
-            if token in self._heavy:  # packed between ended() and now
-                self._heavy.discard(token)
-                self._heavy_done.notify_all()
         if token is not None:
+            self._heavy.ended(token)  # packed between ended() and now, perhaps
             self.session.task_done(token)
 
     def outcome(self, value: Any) -> Tuple[bool, Any]:
@@ -162,9 +133,3 @@ class DeferredFeed:
             key = next(self._keys)
             self._failures[key] = exc
         return Unsent(key)
-
-
-def _written(session: Session) -> int:
-    """Bytes of new dumps the session wrote so far: arrays, buffers and objects (arrays held once are not new)."""
-    stats = session.stats
-    return stats.bytes_dumped + stats.bytes_buffers_dumped + stats.bytes_objects_dumped
