@@ -163,3 +163,17 @@ def test_batches_with_new_dumps_wait_while_every_worker_and_the_queue_has_one(tm
 def wait_for_table(path, index, table):
     wait_for_file(path, index, [0.0])
     return index, table["key-0"]
+
+
+def test_every_buffer_of_an_argument_is_reused_after_its_first_task_finished():
+    """A table with four large columns: all four dumps are kept for the next task, not only the newest two."""
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table({name: np.arange(MIB // 4, dtype=np.float64) + k for k, name in enumerate("abcd")})
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        for _ in range(3):
+            ok, value = session.finish(run_task(session.pack_task(_length, (table,))))
+            assert ok and value == table.num_rows
+        assert session.stats.buffers_dumped == 4
+    finally:
+        session.close()

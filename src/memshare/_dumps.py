@@ -14,10 +14,10 @@ import dataclasses
 import itertools
 import os
 import pickle
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, KeysView, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Deque, Dict, KeysView, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision, log_ob
 # one thread), less than half the cost of writing it again (about 0.4 s).
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
 _PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
-# How many object and buffer dumps used by a single finished task are kept for a later task (release).
+# Of how many finished tasks the object and buffer dumps used by that task alone are kept for a later task.
 _RECENT_SINGLE_USE = 2
 
 
@@ -103,9 +103,11 @@ class DumpTable:
         self._buffer_keys: Dict[str, Tuple[int, int]] = {}  # dump path -> its buffer's key
         self._buffers_in_band: Set[Tuple[int, int]] = set()
         self._buffers_generation = 0
-        # Object and buffer dumps whose only task so far is done, newest last, kept for a later task of
-        # the call that may name them again (see release).
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        # Object and buffer dumps whose only task so far is done, kept for a later task of the call that
+        # may name them again (see release): the paths still kept, and the paths kept per finished task,
+        # newest last (a path revived or deleted since is in the second but no longer in the first).
+        self._recent: Set[str] = set()
+        self._recent_tasks: Deque[List[str]] = deque()
 
     @property
     def paths(self) -> KeysView[str]:
@@ -291,7 +293,7 @@ class DumpTable:
 
     def _use(self, entry: _Dump, files: List[str]) -> None:
         self._idle.pop(entry.ref.path, None)
-        self._recent.pop(entry.ref.path, None)
+        self._recent.discard(entry.ref.path)
         entry.uses += 1
         entry.pending += 1
         files.append(entry.ref.path)
@@ -306,7 +308,16 @@ class DumpTable:
           idle files outweigh the files pending tasks use; revived for free
           if used again. A call over many distinct arrays so keeps about
           twice what is in flight, not everything it ever dumped.
+
+        Object and buffer dumps follow their own rules (below, in ``_release``).
         """
+        kept: List[str] = []
+        self._release(files, kept)
+        if kept:
+            self._keep_recent(kept)
+
+    def _release(self, files: List[str], kept: List[str]) -> None:
+        """Count one pending task fewer for each file; note in ``kept`` the single-use ones to keep as recent."""
         for path in files:
             entry = self._by_path.get(path)
             if entry is None:
@@ -320,7 +331,7 @@ class DumpTable:
                 if not entry.alive:
                     self._forget_object(path)
                 elif entry.uses < 2:
-                    self._keep_recent(path)
+                    kept.append(path)
                 continue
             key = self._buffer_keys.get(path)
             if key is not None:
@@ -331,21 +342,26 @@ class DumpTable:
                 # sent: the first task over a buffer every task reads may be done before
                 # the second one is packed, which would otherwise write it again.
                 if entry.uses < 2:
-                    self._keep_recent(path)
+                    kept.append(path)
             elif not entry.alive:
                 self._delete_file(entry)  # its entry already left _by_array (_forget)
             elif entry.uses < 2:
                 self._idle[path] = entry
 
-    def _keep_recent(self, path: str) -> None:
-        """Keep the single-use object or buffer dump at ``path`` for reuse; forget the oldest beyond a few."""
-        self._recent[path] = None
-        while len(self._recent) > _RECENT_SINGLE_USE:
-            oldest, _ = self._recent.popitem(last=False)
-            if oldest in self._objects:
-                self._forget_object(oldest)
-            elif oldest in self._buffer_keys:
-                self._forget_buffer(self._buffer_keys[oldest])
+    def _keep_recent(self, paths: List[str]) -> None:
+        """Keep the single-use object and buffer dumps one task just finished with, for reuse; forget those of
+        the oldest task beyond a few."""
+        self._recent.update(paths)
+        self._recent_tasks.append(paths)
+        while len(self._recent_tasks) > _RECENT_SINGLE_USE:
+            for oldest in self._recent_tasks.popleft():
+                if oldest not in self._recent:
+                    continue  # revived or deleted since
+                self._recent.discard(oldest)
+                if oldest in self._objects:
+                    self._forget_object(oldest)
+                elif oldest in self._buffer_keys:
+                    self._forget_buffer(self._buffer_keys[oldest])
 
     def _pending_bytes(self) -> int:
         return sum(e.ref.nbytes for e in self._by_path.values() if e.pending > 0)
@@ -374,7 +390,7 @@ class DumpTable:
             return
         self._by_path.pop(entry.ref.path, None)
         self._idle.pop(entry.ref.path, None)
-        self._recent.pop(entry.ref.path, None)
+        self._recent.discard(entry.ref.path)
         entry.parent_view = None
         delete_file(entry.ref.path)
         entry.ref = None
@@ -389,6 +405,7 @@ class DumpTable:
         self._by_path.clear()
         self._idle.clear()
         self._recent.clear()
+        self._recent_tasks.clear()
         for held in self._objects.values():
             self._release_needs(held.needs)
         self._objects.clear()
