@@ -36,6 +36,7 @@ setup(
             "scikit-learn>=1.2",
             "pandas>=1.5",
             "pyarrow>=10.0.1",
+            "polars>=1.36",
             "matplotlib>=3.5",
             "scipy>=1.9",
             "dask[distributed]>=2023.1",

@@ -9,8 +9,9 @@ contenders interleaved within each repeat, with ``f(x) = x + 1`` and two workers
 * ``apply``: 2000 ``apply_async(f, (i,))``, then every ``.get()``.
 
 memshare and ``mp.Pool (forkserver)`` use forkserver, memshare's default; ``mp.Pool (fork)`` and joblib's pool use
-fork, the default of Python 3.9-3.13 on Linux. Ratios are to ``mp.Pool`` with the same start method as the row's
-contender (for joblib: fork), and, for ``start``, memshare's is also given against joblib's.
+fork, the default of Python 3.9-3.13 on Linux; ``memshare (fork)`` is memshare's pool with ``context="fork"``, to
+show what the fork server costs at start. Ratios are to ``mp.Pool`` with the same start method as the row's
+contender (for joblib: fork), and to joblib's pool.
 
 Usage (from the repository root)::
 
@@ -42,6 +43,9 @@ if __name__ == "__main__":
     if which == "memshare":
         from memshare import MemmappingPool
         pool = MemmappingPool(2)
+    elif which == "memshare-fork":
+        from memshare import MemmappingPool
+        pool = MemmappingPool(2, context="fork")
     elif which == "joblib":
         from joblib.pool import MemmappingPool
         pool = MemmappingPool(2)
@@ -65,9 +69,16 @@ if __name__ == "__main__":
     print(json.dumps(times))
 """
 
-CONTENDERS = {"memshare": "forkserver", "joblib": "fork", "forkserver": "forkserver", "fork": "fork"}
+CONTENDERS = {
+    "memshare": "forkserver",
+    "memshare-fork": "fork",
+    "joblib": "fork",
+    "forkserver": "forkserver",
+    "fork": "fork",
+}
 LABELS = {
     "memshare": "memshare MemmappingPool",
+    "memshare-fork": "memshare MemmappingPool (fork)",
     "joblib": "joblib MemmappingPool",
     "forkserver": "mp.Pool (forkserver)",
     "fork": "mp.Pool (fork)",

@@ -218,3 +218,13 @@ def test_initializer_and_maxtasksperchild(shm_dir):
         out = pool.map(read_global, range(12), chunksize=1)
     assert {value for value, _ in out} == {7}
     assert len({worker for _, worker in out}) > 2  # workers were replaced after 2 tasks each
+
+
+def test_the_pools_worker_thread_wakes_for_worker_exits_and_changes_not_for_each_result(shm_dir):
+    # The standard list has the result pipe, ready until the result thread reads each result: the worker
+    # thread then spun, polling every worker, several times per small task.
+    with MemmappingPool(1, maxtasksperchild=2) as pool:
+        sentinels = pool._get_sentinels()
+        assert pool._outqueue._reader not in sentinels
+        assert pool._change_notifier._reader in sentinels
+        assert len({pool.apply(pid, (i,)) for i in range(6)}) == 3  # exited workers are still replaced

@@ -145,6 +145,12 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         ),
     ),
     (
+        "multiprocessing Pool._get_sentinels / _change_notifier",
+        "the pool's worker thread sleeps until a worker exits or the pool changes, instead of spinning "
+        "while each result waits in the pipe",
+        lambda: _has(_mp_pool.Pool, "_get_sentinels") and _uses_attribute(_mp_pool.Pool, "_change_notifier"),
+    ),
+    (
         "multiprocessing Pool._cache / _pool / _processes",
         "a dead worker fails the pool's pending results once the pool reaped it; map picks a chunk size "
         "from the pool's size",
@@ -454,8 +460,9 @@ class PoolWithHooks(_mp_pool.Pool):
     Every message from the workers passes through ``message_filter``, on the
     pool's result thread, before the standard machinery sees it. That thread
     keeps the function as long as it runs, so the function must not hold the
-    pool. ``terminate()`` drains the task queue without waiting forever for
-    its lock. An unclosed running pool, collected, warns once, naming its class.
+    pool. Its worker thread wakes for worker exits and pool changes only, not
+    for every result. ``terminate()`` drains the task queue without waiting
+    forever for its lock. An unclosed running pool, collected, warns once, naming its class.
     """
 
     def __init__(self, *args: Any, message_filter: Callable[[Any], Any] = _same, **kwargs: Any) -> None:
@@ -471,6 +478,16 @@ class PoolWithHooks(_mp_pool.Pool):
             return restore(receive())
 
         self._quick_get = receive_and_restore
+
+    def _get_sentinels(self) -> list:
+        # Pool's worker thread waits on these and on the workers' sentinels, then polls every worker.
+        # The standard list has the result pipe's read end, ready from when a worker writes a result
+        # until the result thread reads it: with small tasks that thread spins a few times per task,
+        # taking the CPU and the GIL from the threads that feed and restore them. Worker exits wake it
+        # through their sentinels; close(), terminate() and an emptied cache through the change
+        # notifier, which is all ThreadPool waits on.
+        reader = getattr(getattr(self, "_change_notifier", None), "_reader", None)
+        return [reader] if reader is not None else super()._get_sentinels()
 
     @staticmethod
     def _help_stuff_finish(inqueue: Any, task_handler: threading.Thread, size: int) -> None:

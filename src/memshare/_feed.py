@@ -22,16 +22,26 @@ pass of memshare's pickler, so each array in it is still routed (an array
 repeated across items or chunks is dumped once, by the session), and the
 function is pickled once per chunk instead of once per item. The worker
 returns the chunk's values as one list; the pool joins the lists.
+
+On the wire: a pool task travels as the tuple ``(token, stream)`` and its
+outcome comes back as the tuple of an :class:`Outcome`'s fields. The
+result spec, the same for every task of a pool, reaches each worker once,
+when it starts (:func:`set_pool_results`). The standard pool pickles each
+message with the standard pickler, for which a dataclass instance costs
+microseconds (copyreg's generic reduction, its fields by name) where a tuple
+of numbers and bytes costs a fraction of one.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sized
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
 from . import _forksafe
-from ._protocol import Outcome, Task
+from ._main_functions import MainFunctions
+from ._protocol import Outcome, ResultSpec, Task
+from ._reducers import PLAIN_TYPES, unpack
 from ._session import Session
 from ._worker import run_task
 
@@ -56,23 +66,54 @@ class MapChunk:
 
     def __call__(self, items: List) -> List:
         if self.star:
-            return [self.func(*item) for item in items]
-        return [self.func(item) for item in items]
+            return list(itertools.starmap(self.func, items))
+        return list(map(self.func, items))
 
-    def arguments_of(self, items: List) -> Iterator[Any]:
-        """The objects the chunk passes to ``func``: each item, or each element of each item for ``starmap``."""
-        for item in items:
-            if self.star:
-                yield from item
-            else:
-                yield item
+    def arguments_of(self, items: List) -> List[Any]:
+        """The objects the chunk passes to ``func`` that may hold an array or a large object: each item, or
+        each element of each item for ``starmap``, but numbers, strings and None (looked at per item)."""
+        arguments = itertools.chain.from_iterable(items) if self.star else items
+        if PLAIN_TYPES.issuperset(map(type, arguments)):  # the common case, in one pass at C speed
+            return []
+        arguments = itertools.chain.from_iterable(items) if self.star else items
+        return [argument for argument in arguments if type(argument) not in PLAIN_TYPES]
+
+
+#: A pool task on the wire: (token, stream) of a :class:`Task`, or the placeholder of one not packed.
+PoolTask = Union[Tuple[int, bytes], Unsent]
+#: A pool task's outcome on the wire: (token, ok, stream, slots) of an :class:`Outcome`.
+PoolOutcome = Tuple[int, bool, bytes, tuple]
+
+# The result spec of the pool this worker serves: one pool per worker process, so process-wide.
+_pool_results: Optional[ResultSpec] = None
+
+
+def set_pool_results(spec: ResultSpec) -> None:
+    """In a pool's worker, as it starts: where and how its tasks' results go (the pool session's spec)."""
+    global _pool_results
+    _pool_results = spec
 
 
 def run_or_return(task: Any) -> Any:
-    """The function pool workers run: a task, or a placeholder returned as it is."""
+    """The function the joblib backend's workers run: a task, or a placeholder returned as it is."""
     if isinstance(task, Unsent):
         return task
     return run_task(task)
+
+
+def run_pool_task(message: PoolTask) -> Union[PoolOutcome, Unsent]:
+    """The function pool workers run: a task (as the tuple of its fields), or a placeholder returned as it is."""
+    if type(message) is not tuple:
+        return message  # an Unsent placeholder
+    if _pool_results is None:
+        raise RuntimeError("memshare: this process runs pool tasks but was not started by a MemmappingPool")
+    token, stream = message
+    outcome = run_task(Task(token, stream, _pool_results))
+    return (outcome.token, outcome.ok, outcome.stream, outcome.slots)
+
+
+def _wire(task: Task) -> Tuple[int, bytes]:
+    return (task.token, task.stream)
 
 
 class _FillingTasks(Sized):
@@ -102,21 +143,32 @@ class _FillingTasks(Sized):
 class TaskFeed:
     """Packs a pool's tasks and restores their outcomes, failing calls cleanly."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, main_functions: Optional[MainFunctions] = None) -> None:
         self.session = session
+        # Which functions of __main__ the workers have: those go by name (see _main_functions).
+        self._main = main_functions if main_functions is not None else MainFunctions("fork")
         self._lock = _forksafe.lock()
         self._keys = itertools.count(1)
         # key -> [exception, placeholders not back yet]
         self._failures: Dict[int, list] = {}
 
-    def pack(self, func: Callable, item: Any, star: bool) -> Task:
-        """One item as a task of its own."""
-        args = tuple(item) if star else (item,)
-        return self.session.pack_task(func, args)
+    def pack_call(self, func: Callable, args: tuple, kwargs: dict) -> Tuple[int, bytes]:
+        """One call as a task (``apply``), raising what packing raised."""
+        return _wire(self.session.pack_task(self._main.sent_as(func), args, kwargs))
 
-    def pack_chunk(self, func: Callable, items: List, star: bool) -> Task:
-        """Several items as one task, whose value is the list of their values."""
-        return self.session.pack_task(MapChunk(func, star), (list(items),))
+    def pack(self, func: Callable, item: Any, star: bool) -> Tuple[int, bytes]:
+        """One item of a call as a task of its own; ``func`` is what :meth:`sent_as` gave for the call."""
+        args = tuple(item) if star else (item,)
+        return _wire(self.session.pack_task(func, args))
+
+    def pack_chunk(self, func: Callable, items: List, star: bool) -> Tuple[int, bytes]:
+        """Several items as one task, whose value is the list of their values; ``func`` as for :meth:`pack`."""
+        return _wire(self.session.pack_task(MapChunk(func, star), (list(items),)))
+
+    def sent_as(self, func: Callable) -> Callable:
+        """What a call sends for ``func``: decided once per ``map`` or ``imap`` call, whose tasks are packed at
+        moments the caller does not see, so that a change it makes meanwhile reaches no defined set of tasks."""
+        return self._main.sent_as(func)
 
     def failed(self, exc: BaseException, count: int) -> Unsent:
         """Record ``exc`` for ``count`` placeholders about to be sent; return the placeholder."""
@@ -127,7 +179,7 @@ class TaskFeed:
 
     def fill(self, func: Callable, items: List, star: bool, chunksize: int) -> Sized:
         """The tasks of a ``map`` over ``items``: exactly one per chunk of ``chunksize`` items, whatever fails."""
-        return _FillingTasks(self, func, items, star, chunksize)
+        return _FillingTasks(self, self.sent_as(func), items, star, chunksize)
 
     def lazy(self, func: Callable, iterable: Iterable, star: bool, chunksize: int = 1) -> Iterator:
         """The tasks of an ``imap``: packed as consumed, ending with a placeholder at the first failure.
@@ -136,9 +188,12 @@ class TaskFeed:
         value; above, each chunk is a task whose value is a list.
         """
         iterator = iter(iterable)
+        func = self.sent_as(func)
         while True:
             try:
-                items = list(itertools.islice(iterator, chunksize))
+                items = [next(iterator)] if chunksize == 1 else list(itertools.islice(iterator, chunksize))
+            except StopIteration:
+                return
             except BaseException as exc:  # the user's iterable raised: fail at this position
                 yield self.failed(exc, count=1)
                 return
@@ -170,9 +225,9 @@ class TaskFeed:
         if not success:
             return message
         try:
-            if isinstance(value, (Outcome, Unsent)):
+            if type(value) is tuple or isinstance(value, Unsent):
                 return (job, index, self._restore_one(value))
-            if isinstance(value, list) and all(isinstance(item, (Outcome, Unsent)) for item in value):
+            if type(value) is list and all(type(item) is tuple or isinstance(item, Unsent) for item in value):
                 # Every outcome is finished, failed or not: that releases its files.
                 restored = [self._restore_one(item) for item in value]
                 failure = next((item for ok, item in restored if not ok), None)
@@ -183,10 +238,18 @@ class TaskFeed:
             return job, index, (False, exc)
         return message
 
-    def _restore_one(self, value: Any) -> tuple:
+    def _restore_one(self, value: Union[PoolOutcome, Unsent]) -> tuple:
         if isinstance(value, Unsent):
             return False, self._take_failure(value.key)
-        return self.session.finish(value)
+        token, ok, stream, slots = value
+        if ok and not slots:
+            # No slot: no file to adopt, nothing to count or warn about (what finish does besides).
+            self.session.task_done(token)
+            try:
+                return True, unpack(stream)
+            except BaseException as exc:
+                return False, exc
+        return self.session.finish(Outcome(token=token, ok=ok, stream=stream, slots=slots))
 
     def _take_failure(self, key: int) -> BaseException:
         with self._lock:

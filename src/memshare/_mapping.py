@@ -309,6 +309,8 @@ class MappingCache:
 
     def prune(self) -> None:
         """Drop mappings whose file was deleted or replaced (the path, stat-ed: no descriptor is kept)."""
+        if not self._bases:  # a worker of small tasks maps nothing: no lock, no list, before each task
+            return
         with self._lock:
             keys = list(self._bases)
         stale = [key for key in keys if not is_file(key[0], (key[1], key[2]))]

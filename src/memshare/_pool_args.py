@@ -139,8 +139,9 @@ class _StartsWithoutPseudoMain:
     (``python - < script.py``, a heredoc) has the ``__file__`` ``'<stdin>'``,
     which names no file, so every worker would die at start with
     ``FileNotFoundError``. Such a ``__main__`` is treated as ``python -c``
-    treats its own: not re-run. memshare sends functions of ``__main__`` by
-    value anyway, so the workers need nothing from it.
+    treats its own: not re-run. memshare sends the functions of a
+    ``__main__`` without a file by value (see ``_main_functions``), so the
+    workers need nothing from it.
 
     The attribute is hidden only for the instant of ``start()``, which reads
     it synchronously, under a lock shared by all pools of the process (the

@@ -53,7 +53,10 @@ import cloudpickle
 import numpy as np
 
 from ._compat import pandas_array_state
+from ._main_functions import MainFunction
 from ._mapping import array_from_ref
+from ._polars import classes as polars_classes
+from ._polars import reduction as polars_reduction
 from ._protocol import ResultSpec, Slot
 from ._refs import ArrayRef
 
@@ -91,6 +94,7 @@ class _Pickler(cloudpickle.Pickler):
         self._reducers = reducers or {}
         # Looked up once per pickling pass, not once per object: reducer_override runs for every object.
         self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
+        self._polars = polars_classes() if buffer_callback is not None else ()  # through Arrow: see _polars
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
@@ -113,6 +117,10 @@ class _Pickler(cloudpickle.Pickler):
             arrow = _arrow_column_reduction(obj)
             if arrow is not None:
                 return arrow
+        if type(obj) in self._polars:
+            polars = polars_reduction(obj)
+            if polars is not None:
+                return polars
         return super().reducer_override(obj)
 
 
@@ -264,6 +272,67 @@ def pack(
     return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header)), header, buffer.getbuffer()))
 
 
+#: Types that hold no array or buffer and pickle alike with the standard pickler and with memshare's.
+PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def plain_call(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
+    """True when a call holds nothing for memshare's pickler to route: a function of ``__main__`` sent by name
+    (``_main_functions``) with arguments of plain types only, whose stream the standard pickler makes alike.
+
+    Without custom reducers (the caller checks), such a call is a small
+    task of a pool, which then costs what the standard pool's costs.
+    """
+    if type(func) is not MainFunction or type(args) is not tuple:
+        return False
+    for arg in args:
+        if type(arg) not in PLAIN_TYPES:
+            return False
+    return not kwargs or (type(kwargs) is dict and all(type(value) in PLAIN_TYPES for value in kwargs.values()))
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainPickler(pickle.Pickler):
+    """The standard pickler, stopped at the first object that is not a builtin container or a plain value.
+
+    The pickler handles ``None``, booleans, ints, floats, strings, bytes,
+    lists, tuples, dicts and sets itself, without asking ``reducer_override``:
+    it is asked of every other object (an array, a class instance), and the
+    buffer callback of every out-of-band buffer.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        raise _NotPlain
+
+
+def _refuse_buffer(buffer: pickle.PickleBuffer) -> bool:
+    raise _NotPlain
+
+
+def plain_stream(value: Any) -> Optional[bytes]:
+    """``value`` pickled when it holds only builtin containers and plain values, for which the standard
+    pickler makes the stream memshare's would; else None.
+
+    No array or buffer is in it, and no reducer applies to it: the pickler
+    asks none for these types (a ``complex`` goes through ``reducer_override``,
+    so it is not plain here). A small task's return value then costs no
+    result policy and no pass of memshare's pickler, whose ``persistent_id``
+    runs for every object.
+    """
+    kind = type(value)
+    if kind in PLAIN_TYPES and kind is not complex:
+        return pickle.dumps(value, protocol=5)
+    buffer = io.BytesIO()
+    try:
+        _PlainPickler(buffer, protocol=5, buffer_callback=_refuse_buffer).dump(value)
+    except Exception:  # _NotPlain, or anything the full pass will report properly
+        return None
+    return buffer.getvalue()
+
+
 def with_objects(payload: bytes, placeholders: Sequence[Any]) -> bytes:
     """``payload`` (packed with ``objects``) with the objects it names standing for ``placeholders`` instead.
 
@@ -278,8 +347,10 @@ def with_objects(payload: bytes, placeholders: Sequence[Any]) -> bytes:
     return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header_bytes)), header_bytes, body))
 
 
-def _open_envelope(stream: Buffer) -> Tuple[Optional[Tuple[List[Any], List[Any]]], memoryview]:
+def _open_envelope(stream: Buffer) -> Tuple[Optional[Tuple[List[Any], List[Any]]], Union[bytes, memoryview]]:
     """((buffer placeholders, object placeholders), stream) of a payload; None for a plain stream."""
+    if type(stream) is bytes and not stream.startswith(_ENVELOPE):
+        return None, stream  # most payloads: no view to make
     view = memoryview(stream).cast("B")
     if view[: len(_ENVELOPE)] != _ENVELOPE:
         return None, view
@@ -417,6 +488,7 @@ def pack_result(value: Any, policy: ResultSlots, reducers: Optional[Reducers] = 
 
 __all__ = [
     "LoadSlot",
+    "PLAIN_TYPES",
     "Reducers",
     "ReduceBuffer",
     "Reduction",
@@ -425,6 +497,8 @@ __all__ = [
     "input_reduction",
     "pack",
     "pack_result",
+    "plain_call",
+    "plain_stream",
     "unpack",
     "with_objects",
 ]

@@ -30,7 +30,7 @@ from ._held_memory import PAGE, changed_pages
 from ._identity import IdentityTable
 from ._objects import Carrier, ObjectPacker, task_arguments
 from ._protocol import Outcome, ResultSpec, Task
-from ._reducers import Reducers, Reduction, input_reduction, pack
+from ._reducers import Reducers, Reduction, input_reduction, pack, plain_call
 from ._refs import SHARED, ArrayRef, data_address, root_array
 from ._routes import (
     DUMP_BASE,
@@ -115,6 +115,11 @@ class Session:
             logger.info("memshare: results are named files, no socket to receive memfds on: %s", exc)
             return None
 
+    @property
+    def results(self) -> ResultSpec:
+        """Where and how workers send this session's results back: the same for every task."""
+        return self._results
+
     # -- calls ---------------------------------------------------------------
 
     def new_generation(self) -> None:
@@ -138,6 +143,11 @@ class Session:
         # and to register the task, not across the pickling of everything
         # else: the result thread finishing other tasks need not wait for it.
         self._check_open()
+        if self._reducers is None and plain_call(func, args, kwargs or {}):
+            # Nothing to route, hold or release: no record, and the standard pickler.
+            stream = pickle.dumps((func, args, kwargs or {}), protocol=5)
+            self.stats.add(tasks=1, bytes_pickled=len(stream))
+            return Task(next(self._tokens), stream, self._results)
         record = _TaskRecord()
         reduce_array = functools.partial(self._reduce_argument, record)
         reduce_buffer = None  # no threshold: every buffer stays in the stream

@@ -22,7 +22,7 @@ from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
-from ._reducers import Reducers, by_value, pack, pack_result, unpack
+from ._reducers import Reducers, by_value, pack, pack_result, plain_stream, unpack
 from ._refs import USER, kind_of_path
 from ._result_policy import ResultPolicy
 
@@ -39,7 +39,7 @@ def set_result_reducers(reducers: Optional[Reducers]) -> None:
 
 def run_task(task: Task) -> Outcome:
     """Run ``task`` in this process; always return an :class:`Outcome`."""
-    policy, token = ResultPolicy(task.results), task.token
+    spec, token = task.results, task.token
     prune_mappings()  # let go of files earlier calls deleted before mapping new ones
     prune_received()  # and of broadcasts the parent dropped
     try:
@@ -48,6 +48,10 @@ def run_task(task: Task) -> Outcome:
     except BaseException as exc:  # KeyboardInterrupt too: its type must reach the caller
         ok, value = False, Failure(exc, traceback.format_exc())
     del task  # drop the input mappings before packing the result
+    plain = plain_stream(value) if ok else None
+    if plain is not None:  # nothing that could travel outside the stream: no result policy
+        return Outcome(token=token, ok=True, stream=plain)
+    policy = ResultPolicy(spec)
     what = type(value if ok else value.exception).__name__
     try:
         stream = pack_result(value, policy, _result_reducers)

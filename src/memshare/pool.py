@@ -6,7 +6,9 @@ once and travel as file references. ``apply`` packs in the calling thread;
 a :class:`TaskFeed` that turns a task that cannot be packed into the
 failure of its call (see ``_feed``). Workers run ``run_task`` and send back
 an ``Outcome``, which the pool turns back into the value, or the exception,
-on the result thread before the standard machinery sees it.
+on the result thread before the standard machinery sees it. Tasks and
+outcomes travel as tuples, the session's result spec once per worker (see
+``_feed``).
 
 Two gaps of the standard pool are closed: a worker that dies abruptly (killed,
 segfault, out of memory) fails the pending results promptly and marks the
@@ -16,6 +18,7 @@ by themselves when the parent dies.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import sys
 import weakref
@@ -25,7 +28,8 @@ import cloudpickle
 
 from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
 from ._config import Settings
-from ._feed import TaskFeed, run_or_return
+from ._feed import TaskFeed, run_pool_task, set_pool_results
+from ._main_functions import MainFunctions
 from ._owners import owner_identity
 from ._pool_args import (
     check_chunksize,
@@ -51,8 +55,9 @@ def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
     # The initializer and the result reducers travel cloudpickled, so that
     # functions of __main__ and lambdas work under every start method; initargs
     # do not, so that multiprocessing locks and queues can still be inherited.
-    initializer, backward_reducers = pickle.loads(setup)
+    initializer, backward_reducers, results = pickle.loads(setup)
     set_result_reducers(backward_reducers)
+    set_pool_results(results)
     if initializer is not None:
         initializer(*initargs)
 
@@ -139,9 +144,13 @@ class MemmappingPool(PoolWithHooks):
             # imported start at once; otherwise each imports it, and a second
             # pool or a replacement worker pays that again.
             preload_in_fork_server("memshare")
-        setup = cloudpickle.dumps((initializer, backward_reducers))
         self._session = Session(settings, forward_reducers)
-        self._feed = TaskFeed(self._session)
+        try:
+            setup = cloudpickle.dumps((initializer, backward_reducers, self._session.results))
+        except BaseException:
+            self._session.close()
+            raise
+        self._feed = TaskFeed(self._session, MainFunctions(context.get_start_method()))
         # Pool starts every worker through self.Process, which its worker
         # thread keeps: a method of the watch, not of the pool, so that the
         # thread does not keep alive a pool nobody closes.
@@ -178,8 +187,8 @@ class MemmappingPool(PoolWithHooks):
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):  # noqa: B006 (Pool's signature)
         self._check_usable()
         self._session.new_generation()
-        task = self._session.pack_task(func, tuple(args), dict(kwds))
-        return super().apply_async(run_or_return, (task,), {}, callback, error_callback)
+        task = self._feed.pack_call(func, tuple(args), dict(kwds))
+        return super().apply_async(run_pool_task, (task,), {}, callback, error_callback)
 
     def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
         return self._map(func, iterable, chunksize, callback, error_callback, star=False)
@@ -211,7 +220,7 @@ class MemmappingPool(PoolWithHooks):
         chunksize = check_chunksize(chunksize)
         self._check_usable()
         self._session.new_generation()
-        results = imap(run_or_return, self._feed.lazy(func, iterable, False, chunksize), 1)
+        results = imap(run_pool_task, self._feed.lazy(func, iterable, False, chunksize), 1)
         if chunksize > 1:  # each result is a chunk's list, as in the standard pool
             results = (value for chunk in results for value in chunk)
         return _progress(results, _length(iterable)) if progress else results
@@ -223,7 +232,7 @@ class MemmappingPool(PoolWithHooks):
         self._session.new_generation()
         items = list(iterable)
         chunksize = self._map_chunksize(len(items), chunksize)
-        chunks = super().imap(run_or_return, self._feed.fill(func, items, star, chunksize), 1)
+        chunks = super().imap(run_pool_task, self._feed.fill(func, items, star, chunksize), 1)
         return list(_progress((value for chunk in chunks for value in chunk), len(items)))
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
@@ -235,7 +244,7 @@ class MemmappingPool(PoolWithHooks):
         # One task per chunk, whose value is the chunk's list: the standard
         # result object collects the lists, ChunkedMapResult joins them.
         joined_callback = None if callback is None else (lambda chunks: callback(_join(chunks)))
-        return ChunkedMapResult(super().map_async(run_or_return, tasks, 1, joined_callback, error_callback))
+        return ChunkedMapResult(super().map_async(run_pool_task, tasks, 1, joined_callback, error_callback))
 
     def _map_chunksize(self, length: int, chunksize: Optional[int]) -> int:
         """``chunksize``, or the standard pool's default: about four chunks per worker."""
@@ -292,7 +301,7 @@ class ChunkedMapResult:
 
 
 def _join(chunks: list) -> list:
-    return [value for chunk in chunks for value in chunk]
+    return list(itertools.chain.from_iterable(chunks))
 
 
 def _length(iterable: Any) -> Optional[int]:
