@@ -177,3 +177,48 @@ def test_every_buffer_of_an_argument_is_reused_after_its_first_task_finished():
         assert session.stats.buffers_dumped == 4
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("method", ["map", "imap"])
+def test_pool_map_tasks_with_new_dumps_wait_while_every_worker_and_the_queue_has_one(tmp_path, method):
+    """The pool's task thread, too, stops packing at a heavy task per worker and one queued."""
+    gate = str(tmp_path / "go")
+    _packed.clear()
+    tables = [{f"key-{j}": j + i for j in range(100_000)} for i in range(10)]  # about 1.7 MB pickled each
+    items = [(gate, PackProbe(i), tables[i]) for i in range(10)]
+    with memshare.MemmappingPool(2) as pool:
+        if method == "map":
+            pending = pool.starmap_async(wait_for_table, items, chunksize=1)
+        else:
+            pending = pool.imap(_wait_for_table_item, items)
+        try:
+            assert wait_until(lambda: len(_packed) >= 3, timeout=60)
+            time.sleep(1.0)  # give the task thread every chance to go on
+            packed_while_blocked = sorted(_packed)
+        finally:
+            open(gate, "w").close()
+        results = pending.get(120) if method == "map" else list(pending)
+    assert packed_while_blocked == [0, 1, 2]
+    assert results == [(i, i) for i in range(10)]
+
+
+def _wait_for_table_item(item):
+    return wait_for_table(*item)
+
+
+def test_terminating_a_pool_whose_map_waits_for_room_does_not_wait_for_the_heavy_tasks(tmp_path):
+    """terminate() joins the task thread: a map waiting there for room must stop waiting (it gives up only after
+    HEAVY_WAIT, 30 s, otherwise)."""
+    gate = str(tmp_path / "never")
+    _packed.clear()
+    tables = [{f"key-{j}": j + i for j in range(100_000)} for i in range(6)]
+    pool = memshare.MemmappingPool(2)
+    try:
+        pool.starmap_async(wait_for_table, [(gate, PackProbe(i), tables[i]) for i in range(6)], chunksize=1)
+        assert wait_until(lambda: len(_packed) >= 3, timeout=60)
+        time.sleep(0.5)  # the task thread is now waiting for room
+        started = time.monotonic()
+    finally:
+        pool.terminate()
+    pool.join()
+    assert time.monotonic() - started < 15  # a hang guard, not a speed claim

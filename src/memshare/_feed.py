@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
 from . import _forksafe
+from ._heavy import HeavyTasks, bytes_written
 from ._main_functions import MainFunctions
 from ._protocol import Outcome, ResultSpec, Task
 from ._reducers import PLAIN_TYPES, unpack
@@ -143,10 +144,22 @@ class _FillingTasks(Sized):
 class TaskFeed:
     """Packs a pool's tasks and restores their outcomes, failing calls cleanly."""
 
-    def __init__(self, session: Session, main_functions: Optional[MainFunctions] = None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        main_functions: Optional[MainFunctions] = None,
+        workers: int = 1,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``workers``: the pool's size; ``stopped``: True once the pool can run no more tasks (broken)."""
         self.session = session
         # Which functions of __main__ the workers have: those go by name (see _main_functions).
         self._main = main_functions if main_functions is not None else MainFunctions("fork")
+        # map and imap tasks that wrote new dumps wait for room in the pool's task thread, as the
+        # standard pool's thread waits for a worker to read a large pickled task (see _heavy);
+        # apply() packs in the caller's thread, which it does not block.
+        self._stopping = False
+        self._heavy = HeavyTasks(workers, stopped=lambda: self._stopping or stopped() or session.closed)
         self._lock = _forksafe.lock()
         self._keys = itertools.count(1)
         # key -> [exception, placeholders not back yet]
@@ -159,11 +172,23 @@ class TaskFeed:
     def pack(self, func: Callable, item: Any, star: bool) -> Tuple[int, bytes]:
         """One item of a call as a task of its own; ``func`` is what :meth:`sent_as` gave for the call."""
         args = tuple(item) if star else (item,)
-        return _wire(self.session.pack_task(func, args))
+        return self._pack_in_turn(func, args)
 
     def pack_chunk(self, func: Callable, items: List, star: bool) -> Tuple[int, bytes]:
         """Several items as one task, whose value is the list of their values; ``func`` as for :meth:`pack`."""
-        return _wire(self.session.pack_task(MapChunk(func, star), (list(items),)))
+        return self._pack_in_turn(MapChunk(func, star), (list(items),))
+
+    def _pack_in_turn(self, func: Callable, args: tuple) -> Tuple[int, bytes]:
+        """Pack a task of the pool's task thread, once there is room for another heavy task (``_heavy``)."""
+        self._heavy.wait_for_room()
+        written_before = bytes_written(self.session.stats)  # only this thread packs map and imap tasks
+        task = self.session.pack_task(func, args)
+        self._heavy.packed(task.token, written_before, bytes_written(self.session.stats))
+        return _wire(task)
+
+    def stop(self) -> None:
+        """The pool is terminating: packing waits no more for room."""
+        self._stopping = True
 
     def sent_as(self, func: Callable) -> Callable:
         """What a call sends for ``func``: decided once per ``map`` or ``imap`` call, whose tasks are packed at
@@ -242,6 +267,7 @@ class TaskFeed:
         if isinstance(value, Unsent):
             return False, self._take_failure(value.key)
         token, ok, stream, slots = value
+        self._heavy.ended(token)
         if ok and not slots:
             # No slot: no file to adopt, nothing to count or warn about (what finish does besides).
             self.session.task_done(token)

@@ -50,6 +50,8 @@ class HeavyTasks:
 
     def wait_for_room(self) -> None:
         """Return once fewer heavy tasks than the limit are pending, or after :data:`HEAVY_WAIT` seconds."""
+        if len(self._pending) < self._limit:  # the common case, without the lock: only ended() shrinks the set
+            return
         deadline = time.monotonic() + self._wait
         with self._lock:
             while len(self._pending) >= self._limit and not self._stopped():
@@ -66,6 +68,8 @@ class HeavyTasks:
 
     def ended(self, token: int) -> None:
         """Task ``token`` ended (done, failed, cancelled or abandoned): it no longer counts."""
+        if token not in self._pending:  # most tasks: a heavy one was added before it was sent, so seen here
+            return
         with self._lock:
             if token in self._pending:
                 self._pending.discard(token)

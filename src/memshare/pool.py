@@ -19,6 +19,7 @@ by themselves when the parent dies.
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import sys
 import weakref
@@ -150,11 +151,17 @@ class MemmappingPool(PoolWithHooks):
         except BaseException:
             self._session.close()
             raise
-        self._feed = TaskFeed(self._session, MainFunctions(context.get_start_method()))
         # Pool starts every worker through self.Process, which its worker
         # thread keeps: a method of the watch, not of the pool, so that the
         # thread does not keep alive a pool nobody closes.
-        self._watch = WorkerWatch(context.get_start_method(), worker_process)
+        self._watch = watch = WorkerWatch(context.get_start_method(), worker_process)
+        # The result thread keeps the feed: what it holds must not hold the pool (the watch does not).
+        self._feed = TaskFeed(
+            self._session,
+            MainFunctions(context.get_start_method()),
+            workers=processes or os.cpu_count() or 1,
+            stopped=lambda: watch.broken is not None,
+        )
         self.Process = self._watch.new_process
         try:
             # Each worker's message is restored on the result thread, before
@@ -260,6 +267,7 @@ class MemmappingPool(PoolWithHooks):
         super().close()
 
     def terminate(self) -> None:
+        self._feed.stop()  # a map waiting for room in the task thread goes on, so that the thread can end
         self._watch.stop()  # before the workers are ended: their exits are no failure
         try:
             super().terminate()
