@@ -40,7 +40,7 @@ def _top_level(x):
 def test_a_plain_call_is_a_function_sent_by_name_with_plain_arguments():
     by_name = MainFunction(_top_level)
     assert plain_call(by_name, (1, "a", None), {"k": 2.5})
-    assert not plain_call(_top_level, (1,), {})  # by value, or by reference: memshare's pickler decides
+    assert plain_call(_top_level, (1,), {})  # of an importable module: by reference for cloudpickle too
     assert not plain_call(by_name, (np.ones(2),), {})
     assert not plain_call(by_name, ([1],), {})  # a list may hold anything
     assert not plain_call(by_name, (1,), {"k": np.ones(2)})
@@ -73,3 +73,28 @@ def test_tasks_and_outcomes_travel_as_tuples(shm_dir):
         assert type(task) is tuple and [type(part) for part in task] == [int, bytes]
         pool._session.task_done(task[0])
         assert pool.apply(echo, (5,)) == 5
+
+
+def test_functions_of_importable_modules_make_plain_calls_only_while_their_name_reaches_them(monkeypatch):
+    import json
+    import operator
+
+    import cloudpickle
+
+    from memshare._reducers import plain_call
+
+    assert plain_call(operator.add, (1, 2), {})  # a builtin function of a module
+    assert plain_call(json.dumps, ("x",), {"indent": 2})
+    assert not plain_call(json.dumps, ([1],), {})  # not a plain argument
+    assert not plain_call([].append, (1,), {})  # a bound builtin method: pickling it pickles its list
+    assert not plain_call(lambda x: x, (1,), {})
+    rebound = json.dumps
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: "")
+    assert not plain_call(rebound, ("x",), {})  # json.dumps names another function now
+    monkeypatch.undo()
+    cloudpickle.register_pickle_by_value(json)
+    try:
+        assert not plain_call(json.dumps, ("x",), {})  # the user asked cloudpickle to send json by value
+    finally:
+        cloudpickle.unregister_pickle_by_value(json)
+    assert plain_call(json.dumps, ("x",), {})

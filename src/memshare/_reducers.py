@@ -277,18 +277,45 @@ PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def plain_call(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
-    """True when a call holds nothing for memshare's pickler to route: a function of ``__main__`` sent by name
-    (``_main_functions``) with arguments of plain types only, whose stream the standard pickler makes alike.
+    """True when a call holds nothing for memshare's pickler to route: a function sent by name (one of
+    ``__main__`` the workers have, see ``_main_functions``, or one of an importable module) with arguments of
+    plain types only, whose stream the standard pickler makes alike.
 
     Without custom reducers (the caller checks), such a call is a small
     task of a pool, which then costs what the standard pool's costs.
     """
-    if type(func) is not MainFunction or type(args) is not tuple:
+    if type(args) is not tuple or not (type(func) is MainFunction or _importable_by_name(func)):
         return False
     for arg in args:
         if type(arg) not in PLAIN_TYPES:
             return False
     return not kwargs or (type(kwargs) is dict and all(type(value) in PLAIN_TYPES for value in kwargs.values()))
+
+
+def _importable_by_name(func: Any) -> bool:
+    """True when cloudpickle, as the standard pickler, pickles ``func`` as a reference to its importable name.
+
+    A plain function or a builtin function of a module, reached now from
+    its module by its qualified name (checked at every call: a module
+    attribute may be rebound), whose module is not one the user asked
+    cloudpickle to send by value.
+    """
+    kind = type(func)
+    if kind is types.BuiltinFunctionType:
+        if not isinstance(getattr(func, "__self__", None), types.ModuleType):
+            return False  # a bound method of an object: pickling it pickles the object
+    elif kind is not types.FunctionType:
+        return False
+    module_name = getattr(func, "__module__", None)
+    if not module_name or module_name == "__main__":
+        return False
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    if by_value and any(module_name == name or module_name.startswith(name + ".") for name in by_value):
+        return False
+    found: Any = sys.modules.get(module_name)
+    for part in func.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is func
 
 
 class _NotPlain(Exception):

@@ -144,10 +144,15 @@ class Session:
         # else: the result thread finishing other tasks need not wait for it.
         self._check_open()
         if self._reducers is None and plain_call(func, args, kwargs or {}):
-            # Nothing to route, hold or release: no record, and the standard pickler.
-            stream = pickle.dumps((func, args, kwargs or {}), protocol=5)
-            self.stats.add(tasks=1, bytes_pickled=len(stream))
-            return Task(next(self._tokens), stream, self._results)
+            # Nothing to route, hold or release: no record, and the standard pickler (the full
+            # path below reports whatever it cannot pickle).
+            try:
+                stream = pickle.dumps((func, args, kwargs or {}), protocol=5)
+            except Exception:
+                stream = None
+            if stream is not None:
+                self.stats.add(tasks=1, bytes_pickled=len(stream))
+                return Task(next(self._tokens), stream, self._results)
         record = _TaskRecord()
         reduce_array = functools.partial(self._reduce_argument, record)
         reduce_buffer = None  # no threshold: every buffer stays in the stream
