@@ -217,6 +217,22 @@ def unwritable_dir(tmp_path):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def mappings_of(addresses) -> list:
+    """For each address: (path, permissions) of the mapping of this process that holds it."""
+    with open("/proc/self/maps") as maps:
+        lines = [line.split(None, 5) for line in maps.read().splitlines()]
+    found = []
+    for address in addresses:
+        for fields in lines:
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                found.append((fields[5].strip() if len(fields) > 5 else "", fields[1]))
+                break
+        else:
+            found.append(("", ""))
+    return found
+
+
 def memfds_held(pid="self") -> list:
     """The link targets of the memshare memfds process ``pid`` holds open (one entry per descriptor)."""
     found = []

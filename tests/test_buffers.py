@@ -14,7 +14,7 @@ import pickle
 import joblib
 import numpy as np
 import pytest
-from conftest import memfds_held, memshare_entries
+from conftest import mappings_of, memfds_held, memshare_entries
 
 import memshare
 from memshare import Parallel, delayed
@@ -198,22 +198,6 @@ def test_nothing_goes_out_of_band_without_a_threshold(shm_dir):
     assert got == [fingerprint(frame)] * 2
     stats = memshare.last_call_stats()
     assert stats["buffers_dumped"] == 0 and stats["bytes_pickled"] >= 2 * size
-
-
-def mappings_of(addresses) -> list:
-    """For each address: (path, permissions) of the mapping of this process that holds it."""
-    with open("/proc/self/maps") as maps:
-        lines = [line.split(None, 5) for line in maps.read().splitlines()]
-    found = []
-    for address in addresses:
-        for fields in lines:
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            if low <= address < high:
-                found.append((fields[5].strip() if len(fields) > 5 else "", fields[1]))
-                break
-        else:
-            found.append(("", ""))
-    return found
 
 
 def large_buffer_mappings(table):

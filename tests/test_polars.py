@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import memfds_held, memshare_entries, run_script
+from conftest import mappings_of, memfds_held, memshare_entries, run_script
 
 import memshare
 from memshare import MemmappingPool, Parallel, _polars, delayed
@@ -174,16 +174,7 @@ def large_buffer_mappings(frame) -> list:
         for buffer in chunk.buffers()
         if buffer is not None and buffer.size >= 1024**2
     ]
-    with open("/proc/self/maps") as maps:
-        lines = [line.split(None, 5) for line in maps.read().splitlines()]
-    found = []
-    for address in addresses:
-        for fields in lines:
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            if low <= address < high:
-                found.append((fields[5].strip() if len(fields) > 5 else "", fields[1]))
-                break
-    return found
+    return mappings_of(addresses)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
