@@ -59,6 +59,7 @@ from ._polars import classes as polars_classes
 from ._polars import reduction as polars_reduction
 from ._protocol import ResultSpec, Slot
 from ._refs import ArrayRef
+from ._view_reader import ViewReader
 
 #: Bytes of a payload: ``bytes``, or a view of a mapped file.
 Buffer = Union[bytes, memoryview, np.ndarray]
@@ -88,10 +89,13 @@ class _Pickler(cloudpickle.Pickler):
         reduce_array: Callable[[np.ndarray], Optional[Reduction]],
         reducers: Optional[Reducers] = None,
         buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
+        on_arrow: Optional[Callable[[Any], None]] = None,
     ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._reduce_array = reduce_array
         self._reducers = reducers or {}
+        self._on_arrow = on_arrow
+        self._arrow_owners = _arrow_owner_classes() if on_arrow is not None else ()
         # Looked up once per pickling pass, not once per object: reducer_override runs for every object.
         self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
         self._polars = polars_classes() if buffer_callback is not None else ()  # through Arrow: see _polars
@@ -110,6 +114,8 @@ class _Pickler(cloudpickle.Pickler):
             return NotImplemented
         if type(obj) is types.CodeType:
             return _code_reduction(obj)
+        if self._arrow_owners and isinstance(obj, self._arrow_owners):
+            self._on_arrow(obj)  # told before its buffers are offered; pickled as usual
         custom = self._reducers.get(type(obj))
         if custom is not None:
             return custom(obj)
@@ -143,6 +149,14 @@ def _pandas_arrow_array_class() -> Optional[type]:
     """pandas' ``ArrowExtensionArray`` when pandas is imported already (it is not imported here), else None."""
     pandas = sys.modules.get("pandas")
     return getattr(getattr(pandas, "arrays", None), "ArrowExtensionArray", None)
+
+
+def _arrow_owner_classes() -> Tuple[type, ...]:
+    """The Arrow classes whose objects hold their buffers, when pyarrow is imported already (else none)."""
+    pyarrow = sys.modules.get("pyarrow")
+    if pyarrow is None:
+        return ()
+    return (pyarrow.Array, pyarrow.ChunkedArray, pyarrow.RecordBatch, pyarrow.Table)
 
 
 def _arrow_column_reduction(obj: Any) -> Optional[Reduction]:
@@ -211,8 +225,9 @@ class _ObjectPickler(_Pickler):
         reducers: Optional[Reducers] = None,
         buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
         on_object: Optional[Callable[[int], None]] = None,
+        on_arrow: Optional[Callable[[Any], None]] = None,
     ) -> None:
-        super().__init__(file, reduce_array, reducers, buffer_callback)
+        super().__init__(file, reduce_array, reducers, buffer_callback, on_arrow)
         self._indices = indices
         self._on_object = on_object
 
@@ -233,6 +248,7 @@ def pack(
     reduce_buffer: Optional[ReduceBuffer] = None,
     objects: Sequence[Tuple[Any, Any]] = (),
     on_object: Optional[Callable[[int], None]] = None,
+    on_arrow: Optional[Callable[[Any], None]] = None,
 ) -> bytes:
     """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead.
 
@@ -244,7 +260,9 @@ def pack(
     on their own (see ``_session``): wherever the stream meets one of these
     objects, it names its placeholder instead (the ``ArrayRef`` of the dump of
     its payload), which :func:`unpack` turns back into one object;
-    ``on_object`` is told the index of each one met.
+    ``on_object`` is told the index of each one met. ``on_arrow`` is told
+    each Arrow object (array, chunked array, record batch, table) met, before
+    its buffers are offered.
     """
     buffer = io.BytesIO()
     placeholders: List[Any] = []
@@ -262,9 +280,9 @@ def pack(
         pickler: _Pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers, callback)
     elif objects:
         indices = {id(o): i for i, (o, _) in enumerate(objects)}
-        pickler = _ObjectPickler(buffer, reduce_array, indices, reducers, callback, on_object)
+        pickler = _ObjectPickler(buffer, reduce_array, indices, reducers, callback, on_object, on_arrow)
     else:
-        pickler = _Pickler(buffer, reduce_array, reducers, callback)
+        pickler = _Pickler(buffer, reduce_array, reducers, callback, on_arrow)
     pickler.dump(obj)
     if not placeholders and not objects:
         return buffer.getvalue()
@@ -418,7 +436,9 @@ def unpack(
         placeholders, object_placeholders = header
         buffers = [memoryview(_rebuild_input(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
         objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects)
-    return _SlotUnpickler(io.BytesIO(body), slot, buffers, objects).load()
+    # A bytes body is shared by BytesIO; a view (a mapped dump) is read in place, not copied.
+    file = io.BytesIO(body) if type(body) is bytes else ViewReader(body)
+    return _SlotUnpickler(file, slot, buffers, objects).load()
 
 
 class _Slots:
@@ -470,7 +490,11 @@ class _SlotUnpickler(pickle.Unpickler):
     """Turns slot numbers and argument objects of the stream into their values; buffers come from ``buffers``."""
 
     def __init__(
-        self, file: io.BytesIO, slot: _Slots, buffers: Optional[List[memoryview]], objects: Optional[_Objects] = None
+        self,
+        file: Union[io.BytesIO, ViewReader],
+        slot: _Slots,
+        buffers: Optional[List[memoryview]],
+        objects: Optional[_Objects] = None,
     ) -> None:
         super().__init__(file, buffers=buffers)
         self._slot = slot
