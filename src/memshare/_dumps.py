@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import pickle
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Deque, Dict, KeysView, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ._dumping import dump_array, row_slabs
+from ._compare import same_bytes
+from ._dumping import dump_array
 from ._folders import FolderPair, delete_file
 from ._identity import IdentityTable
+from ._kept_buffers import KeptIn
 from ._mapping import map_file, view_of
 from ._refs import DUMP, ArrayRef, data_address
-from ._stats import DUMPED, CallStats, log_buffer_decision, log_decision, log_object_decision
+from ._stats import DUMPED, REUSED, CallStats, log_buffer_decision, log_decision, log_object_decision
 
-# Comparing an array with its dump runs at about 0.15 s/GiB on two threads
-# (0.14-0.19 s measured for 1 GiB of float64 on a 2-core machine; 0.17 s on
-# one thread), less than half the cost of writing it again (about 0.4 s).
-_COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries
-_PARALLEL_COMPARE_BYTES = 64 * 1024**2  # compare on two threads from this size on
 # Of how many finished tasks the object and buffer dumps used by that task alone are kept for a later task.
 _RECENT_SINGLE_USE = 2
 
@@ -75,13 +70,18 @@ class DumpTable:
         stats: CallStats,
         lock: ContextManager,
         release_needs: Callable[[Any], None] = lambda needs: None,
+        kept: Optional[KeptIn] = None,
     ) -> None:
         """``lock`` is the session's, re-entrant: taken here only by the callback of a collected array.
 
         ``release_needs`` lets go of what an object's payload references
         (the ``needs`` given to :meth:`dump_object`) once its dump is forgotten.
+        ``kept``: where buffers of live Arrow objects are kept across calls
+        (``_kept_buffers``); None writes every buffer into this session's folder.
         """
         self._pair = pair
+        self._kept = kept
+        self._kept_paths: Set[str] = set()  # files of ``kept`` this table uses: released, never deleted, here
         self._release_needs = release_needs
         # Argument objects pickled once, by the path of their dump (this generation's and earlier
         # ones' still read by pending tasks); this generation's by id() of the object.
@@ -192,17 +192,40 @@ class DumpTable:
             held = self._buffers[key] = _BufferDump(_Dump(ref=None, generation=self.generation), buffer)
         entry = held.entry
         if entry.ref is None:  # new, or its idle file was deleted for room since
-            self._evict_idle(limit=self._pending_bytes())
-            ref, seconds = dump_array(self._pair, raw, DUMP, mode)
+            ref = self._kept_file(key, raw, mode, exporter)
+            if ref is None:
+                self._evict_idle(limit=self._pending_bytes())
+                ref, seconds = dump_array(self._pair, raw, DUMP, mode)
+                self._count_dumped(raw, exporter, ref, seconds, self._pair.is_fallback(ref.path))
             entry.ref = ref
             self._by_path[ref.path] = entry
             self._buffer_keys[ref.path] = key
-            self._stats.add(buffers_dumped=1, bytes_buffers_dumped=raw.nbytes, dump_seconds=seconds)
-            if self._pair.is_fallback(ref.path):
-                self._stats.add(fallback_files=1)
-            log_buffer_decision(DUMPED, raw.nbytes, exporter, ref.path, seconds)
         self._use(entry, files)
         return _in_mode(entry.ref, mode)
+
+    def _kept_file(self, key: Tuple[int, int], raw: np.ndarray, mode: str, exporter: object) -> Optional[ArrayRef]:
+        """The buffer's file kept across calls: an earlier call's if it holds the same bytes, else a new one;
+        None when the buffer is not kept (no live Arrow object owns it, or workers may write to it)."""
+        if self._kept is None or mode not in ("r", "c"):
+            return None
+        ref = self._kept.reuse(key, raw)
+        if ref is not None:
+            self._stats.add(buffers_reused=1, bytes_buffers_reused=raw.nbytes)
+            log_buffer_decision(REUSED, raw.nbytes, exporter, ref.path)
+        else:
+            written = self._kept.keep(key, raw)
+            if written is None:
+                return None
+            ref, seconds, fallback = written
+            self._count_dumped(raw, exporter, ref, seconds, fallback)
+        self._kept_paths.add(ref.path)
+        return ref
+
+    def _count_dumped(self, raw: np.ndarray, exporter: object, ref: ArrayRef, seconds: float, fallback: bool) -> None:
+        self._stats.add(buffers_dumped=1, bytes_buffers_dumped=raw.nbytes, dump_seconds=seconds)
+        if fallback:
+            self._stats.add(fallback_files=1)
+        log_buffer_decision(DUMPED, raw.nbytes, exporter, ref.path, seconds)
 
     # -- argument objects ------------------------------------------------------
 
@@ -392,14 +415,22 @@ class DumpTable:
         self._idle.pop(entry.ref.path, None)
         self._recent.discard(entry.ref.path)
         entry.parent_view = None
-        delete_file(entry.ref.path)
+        self._let_go(entry.ref.path)
         entry.ref = None
+
+    def _let_go(self, path: str) -> None:
+        """Delete the file at ``path``; a kept one is only released (see ``_kept_buffers``)."""
+        if path in self._kept_paths:
+            self._kept_paths.discard(path)
+            self._kept.release(path)
+        else:
+            delete_file(path)
 
     def close(self) -> None:
         """Delete every file and forget every array and buffer (releasing the buffers' exports)."""
         for entry in list(self._by_path.values()):
             entry.parent_view = None
-            delete_file(entry.ref.path)  # a memfd is closed here; named files also go with the folder
+            self._let_go(entry.ref.path)  # a memfd is closed here; named files also go with the folder
             entry.ref = None
         self._by_array.clear()
         self._by_path.clear()
@@ -423,42 +454,10 @@ def _in_mode(ref: ArrayRef, mode: str) -> ArrayRef:
 
 
 def _matches_file(entry: _Dump, array: np.ndarray) -> bool:
-    """True when the file still holds exactly ``array``'s bytes.
+    """True when the file still holds exactly ``array``'s bytes (see ``_compare``).
 
-    Bitwise, so -0.0 against 0.0 or a changed NaN payload count as changes.
-    Memory-bandwidth bound: large arrays are compared in two halves on two
-    threads (numpy releases the GIL while comparing). The parent's view of
-    the file is kept with the entry until the file is deleted.
+    The parent's view of the file is kept with the entry until the file is deleted.
     """
     if entry.parent_view is None:
         entry.parent_view = view_of(map_file(entry.ref), entry.ref)
-    stored = entry.parent_view
-    if stored.shape != array.shape or stored.dtype != array.dtype:
-        return False
-    if array.ndim == 0:
-        return stored.tobytes() == array.tobytes()
-    rows = array.shape[0]
-    if array.nbytes < _PARALLEL_COMPARE_BYTES or rows < 2 or (os.cpu_count() or 1) < 2:
-        return _same_rows(array, stored, 0, rows)
-    middle = rows // 2
-    with ThreadPoolExecutor(2, thread_name_prefix="memshare-compare") as pool:
-        halves = [
-            pool.submit(_same_rows, array, stored, 0, middle),
-            pool.submit(_same_rows, array, stored, middle, rows),
-        ]
-        return all(half.result() for half in halves)
-
-
-def _same_rows(array: np.ndarray, stored: np.ndarray, start: int, stop: int) -> bool:
-    """Bitwise equality of ``array[start:stop]`` and ``stored[start:stop]``, a slab at a time."""
-    for rows in row_slabs(array, start, stop, _COMPARE_BYTES):
-        ours = _raw(np.ascontiguousarray(array[rows]))
-        theirs = _raw(np.ascontiguousarray(stored[rows]))
-        if not np.array_equal(ours, theirs):
-            return False
-    return True
-
-
-def _raw(contiguous: np.ndarray) -> np.ndarray:
-    raw = contiguous.reshape(-1).view(np.uint8)
-    return raw.view(np.uint64) if raw.size % 8 == 0 else raw
+    return same_bytes(array, entry.parent_view)

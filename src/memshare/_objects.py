@@ -45,7 +45,8 @@ class Carrier:
     ``new_record`` makes a record of what a payload holds (the session's
     per-task record), which ``reduce_argument``/``reduce_buffer`` fill as they
     carry out routes and ``abandon`` releases; ``route_of`` is the session's
-    pure decision for an array (``_routes.input_route`` with its settings).
+    pure decision for an array (``_routes.input_route`` with its settings);
+    ``note_arrow`` is told each Arrow object met (see ``_kept_buffers``).
     Every call into the dump table is made with ``lock`` held.
     """
 
@@ -59,6 +60,7 @@ class Carrier:
     abandon: Callable[[Any], None]
     check_open: Callable[[], None]
     route_of: Callable[[np.ndarray], Route]
+    note_arrow: Optional[Callable[[Any], None]] = None
 
 
 class ObjectPacker:
@@ -234,6 +236,7 @@ class ObjectPacker:
                     reducers=self._carrier.reducers,
                     reduce_buffer=functools.partial(self._carrier.reduce_buffer, needs),
                     objects=inner,
+                    on_arrow=self._carrier.note_arrow,
                 )
             with self._carrier.lock:
                 self._carrier.check_open()

@@ -28,6 +28,8 @@ from ._folder_warnings import warn_fallback, warn_result_pickled
 from ._handoff import Inbox
 from ._held_memory import PAGE, changed_pages
 from ._identity import IdentityTable
+from ._kept_buffers import KeptIn
+from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments
 from ._protocol import Outcome, ResultSpec, Task
 from ._reducers import Reducers, Reduction, input_reduction, pack, plain_call
@@ -75,7 +77,8 @@ class Session:
         # this thread packs a task, and its weak reference callback (in the
         # dump table) then takes the lock in the same thread.
         self._lock = _forksafe.rlock()
-        self._dumps = DumpTable(self.folder.pair, self.stats, self._lock, self._release_record)
+        kept = KeptIn(kept_buffers(), self.folder.location)
+        self._dumps = DumpTable(self.folder.pair, self.stats, self._lock, self._release_record, kept)
         self._holds = _held_once.SessionHolds(self.stats)
         self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
         self._tokens = itertools.count(1)
@@ -94,6 +97,7 @@ class Session:
                 abandon=self._abandon,
                 check_open=self._check_open,
                 route_of=self._route_of,
+                note_arrow=self._note_arrow,
             )
         )
         self._closed = False
@@ -167,6 +171,7 @@ class Session:
                 reducers=self._reducers,
                 reduce_buffer=reduce_buffer,
                 objects=objects,
+                on_arrow=self._note_arrow if reduce_buffer is not None else None,
             )
         except Exception as exc:
             self._abandon(record)
@@ -250,6 +255,10 @@ class Session:
             promote=self.settings.promote,
             worker_mode=self._worker_mode(),
         )
+
+    def _note_arrow(self, obj: Any) -> None:
+        """An Arrow object met while packing: its large buffers may be kept for later calls while it lives."""
+        kept_buffers().note_owner(obj, max(1, self.settings.max_nbytes or 0))
 
     def _reduce_buffer(self, record: _TaskRecord, buffer: pickle.PickleBuffer) -> Optional[ArrayRef]:
         """The pickler's buffer policy for task arguments: the dump standing for ``buffer``, or None: in the stream.
@@ -347,6 +356,7 @@ class Session:
                 return
             self._closed = True
             self._dumps.close()
+            self._objects.new_generation()  # lets go of the arguments remembered as small (a closed pool lives on)
             self._seen.clear()
             self._holds.clear()
             for record in self._tasks.values():

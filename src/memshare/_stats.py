@@ -24,6 +24,7 @@ logger = logging.getLogger("memshare")
 DUMPED = "dumped"
 REFERENCED = "referenced"
 PICKLED = "pickled"
+REUSED = "reused from an earlier call"
 HELD_ONCE = "held once"
 NOT_HELD_ONCE = "not held once"
 
@@ -55,6 +56,8 @@ class CallStats:
     results_pickled_no_room: int = 0  # results sent by value because no file had room
     buffers_dumped: int = 0  # out-of-band buffers of arguments written to shared memory (pyarrow's...)
     bytes_buffers_dumped: int = 0
+    buffers_reused: int = 0  # such buffers of live Arrow objects whose file an earlier call wrote (kept)
+    bytes_buffers_reused: int = 0
     buffers_pickled: int = 0  # out-of-band buffers of arguments kept in the task payloads: small
     bytes_buffers_pickled: int = 0
     objects_dumped: int = 0  # argument objects pickled once per call into shared memory (large dicts, models...)
@@ -78,6 +81,7 @@ class CallStats:
             f"{self.arrays_referenced} passed by reference ({_mib(self.bytes_referenced)}), "
             f"{self.arrays_pickled} pickled ({_mib(self.bytes_pickled)} of task payloads); "
             f"{self.buffers_dumped} buffers dumped ({_mib(self.bytes_buffers_dumped)}), "
+            f"{self.buffers_reused} reused ({_mib(self.bytes_buffers_reused)}), "
             f"{self.buffers_pickled} pickled ({_mib(self.bytes_buffers_pickled)}); "
             f"{self.objects_dumped} argument objects pickled once ({_mib(self.bytes_objects_dumped)}); "
             f"{self.results_by_reference} results returned by reference "
@@ -171,7 +175,9 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     their file again because the parent changed them), ``buffers_dumped``
     and ``bytes_buffers_dumped`` (out-of-band buffers of arguments, such as
     pyarrow's behind Arrow-backed pandas columns, written once to shared
-    memory), ``buffers_pickled`` and ``bytes_buffers_pickled`` (such
+    memory), ``buffers_reused`` and ``bytes_buffers_reused`` (such buffers
+    of Arrow objects still alive whose file an earlier call wrote: sent again
+    after a comparison, not written), ``buffers_pickled`` and ``bytes_buffers_pickled`` (such
     buffers small enough to stay in the task payloads), ``objects_dumped``
     and ``bytes_objects_dumped`` (argument objects, such as a large dict,
     pickled once per call into shared memory instead of into every task's
