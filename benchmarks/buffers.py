@@ -12,6 +12,12 @@ transport is what is measured), two workers:
 * ``returned``: the other way: 2 tasks each build and return a ``string[pyarrow]`` DataFrame of
   about ``--size``/2 MB (the time includes building it in the worker, the same for both).
 
+``--second-call`` times a second call over the same data, the first one untimed: memshare sends again
+the Arrow buffers its first call wrote (after comparing them), where joblib pickles everything again.
+``--task-seconds S`` makes each task also sleep ``S`` seconds. With cheap tasks, joblib's feeder thread
+pickling the argument for one task at a time keeps its workers from overlapping; a task that works a
+while lets both workers hold their copy of the argument at once, as in real use.
+
 Each run is a fresh interpreter: it builds the data, warms the workers up with a tiny call, then
 times one call under the memory sampler of ``memshare._tools.benchmarks.memory`` (peak extra memory of
 the process tree, shared memory included). Contenders are interleaved within each repeat.
@@ -74,6 +80,8 @@ def make(workload, size_mb, folder):
 
 
 def statistic(frame, k):
+    if TASK_SECONDS:
+        time.sleep(TASK_SECONDS)  # a task that works a while: both workers hold their argument at once
     column = frame[frame.columns[k % len(frame.columns)]]
     which = k % 4
     if which == 0:
@@ -87,6 +95,10 @@ def statistic(frame, k):
 
 def build(size_mb):
     return make("string[pyarrow]", size_mb, None)
+
+
+TASK_SECONDS = float(os.environ.get("BUFFERS_BENCH_TASK_SECONDS", "0"))
+SECOND_CALL = os.environ.get("BUFFERS_BENCH_SECOND_CALL") == "1"
 
 
 def main():
@@ -109,6 +121,8 @@ def main():
         frame = make(workload, size_mb, folder)
         run = lambda: parallel()(delayed(statistic)(frame, k) for k in range(8))
     parallel()(delayed(statistic)(frame.head(10), k) for k in range(2))  # start the workers
+    if SECOND_CALL:
+        run()  # the first call, untimed: the second one is measured
     with MemorySampler(os.getpid()) as sampler:
         started = time.perf_counter()
         out = run()
@@ -131,13 +145,19 @@ main()
 """
 
 
-def run_one(workload: str, contender: str, size_mb: int) -> Dict:
+def run_one(workload: str, contender: str, size_mb: int, task_seconds: float = 0.0, second_call: bool = False) -> Dict:
+    env = {
+        **os.environ,
+        "BUFFERS_BENCH_TASK_SECONDS": str(task_seconds),
+        "BUFFERS_BENCH_SECOND_CALL": "1" if second_call else "0",
+    }
     with tempfile.TemporaryDirectory(prefix="buffers-bench-") as folder:
         done = subprocess.run(
             [sys.executable, "-c", _CHILD, workload, contender, str(size_mb), folder],
             capture_output=True,
             text=True,
             timeout=1800,
+            env=env,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
     if done.returncode != 0:
@@ -160,17 +180,34 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--size", type=int, default=512, help="data size in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--task-seconds",
+        type=float,
+        default=0.0,
+        help="each task also sleeps this long, so that both workers hold their argument at once (default 0)",
+    )
+    parser.add_argument(
+        "--second-call",
+        action="store_true",
+        help="time a second call over the same data, the first one untimed (memshare keeps Arrow buffers)",
+    )
     args = parser.parse_args(argv)
     results: Dict = {(w, c): [] for w in args.workloads for c in CONTENDERS}
     for repeat in range(args.repeats):
         for workload in args.workloads:
             for contender in CONTENDERS if repeat % 2 == 0 else CONTENDERS[::-1]:
-                results[workload, contender].append(run_one(workload, contender, args.size))
+                results[workload, contender].append(
+                    run_one(workload, contender, args.size, args.task_seconds, args.second_call)
+                )
                 print(
                     f"repeat {repeat + 1}: {workload} {contender}: {results[workload, contender][-1]['seconds']:.2f} s",
                     file=sys.stderr,
                 )
-    print(f"\n{TASKS} tasks, 2 workers, --size {args.size}, {args.repeats} repeats (median [min-max])\n")
+    print(
+        f"\n{TASKS} tasks, 2 workers, --size {args.size}, --task-seconds {args.task_seconds}, "
+        f"{'second call, ' if args.second_call else ''}"
+        f"{args.repeats} repeats (median [min-max])\n"
+    )
     print("| data | contender | time | pickled per call | peak extra memory |")
     print("|---|---|---|---|---|")
     for workload in args.workloads:
