@@ -56,7 +56,7 @@ def _run(keys: str) -> Report:
 
 @needs_arrow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("key", ["j", "k", "l", "m"])
+@pytest.mark.parametrize("key", ["j", "k", "l", "m", "n"])
 def test_data_that_is_not_an_array_has_its_rows(key):
     """Every contender of (j)-(m) has a correct row, and memshare's rows report the bytes pickled per call."""
     report = _run(key)
@@ -72,6 +72,22 @@ def test_data_that_is_not_an_array_has_its_rows(key):
             assert re.search(rf"- \({key}\) {m.contender} n_jobs=2: tasks=\d+, bytes_pickled=", table)
     if key == "l":
         assert "memshare-broadcast" in {m.contender for m in report.measurements}
+
+
+@needs_arrow
+@pytest.mark.timeout(300)
+def test_a_second_call_over_arrow_data_sends_what_the_first_wrote_and_each_repeat_starts_cold():
+    """(n) times a second call, which reuses every buffer; (j) builds its frame anew at each repeat, so no repeat
+    finds the buffers an earlier one kept."""
+    before = _children()
+    report = run_benchmark("jn", ("memshare",), size=4 * MiB, repeats=2, quick=True, progress=False)
+    assert wait_until(lambda: _children() <= before, 30), _children() - before
+    by_key = {key: [m for m in report.measurements if m.workload == key] for key in "jn"}
+    assert len(by_key["j"]) == len(by_key["n"]) == 2, report.measurements
+    for m in by_key["j"]:
+        assert m.correct and m.stats["buffers_dumped"] >= 1 and m.stats["buffers_reused"] == 0, m.stats
+    for m in by_key["n"]:
+        assert m.correct and m.stats["buffers_dumped"] == 0 and m.stats["buffers_reused"] >= 1, m.stats
 
 
 @pytest.mark.timeout(300)

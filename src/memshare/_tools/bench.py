@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 
 _DEFAULT_BYTES = 256 * 1024**2
 # Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop, a string[pyarrow]
-# DataFrame (j), a large dict (l) and the pools on small items (p). The shared array in a loop (f, which (i)
-# covers), GridSearchCV (g), the n_jobs sweep (h), and the Arrow variants (k: Arrow dtypes from Parquet, m:
-# Arrow results) take longer or repeat what the others show: ask for them with --workloads.
-DEFAULT_WORKLOADS = "abcdeijlp"
+# DataFrame (j) and a second call over it (n), a large dict (l) and the pools on small items (p). The shared
+# array in a loop (f, which (i) covers), GridSearchCV (g), the n_jobs sweep (h), and the Arrow variants (k: Arrow
+# dtypes from Parquet, m: Arrow results) take longer or repeat what the others show: ask for them with --workloads.
+DEFAULT_WORKLOADS = "abcdeijlnp"
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare bench") -> int:

@@ -49,6 +49,7 @@ def _measure(conn: Connection, workload: workloads.Workload, data: Any, name: st
 def serve(conn: Connection, name: str) -> None:
     """Answer the harness's commands until ``quit``."""
     workload = data = None
+    size, quick = 0, False
     expected: Dict[str, Any] = {}  # by operation
     while True:
         message = conn.recv()
@@ -62,7 +63,12 @@ def serve(conn: Connection, name: str) -> None:
             conn.send(("prepared", workload.pickled_bytes(data)))
         elif command == "measure":
             operation = message[2] if len(message) > 2 else ""
-            data = workloads.fresh(data)
+            if workload.fresh_data:
+                data = None  # the old data goes first: never two copies at once
+                gc.collect()
+                data = workload.prepare_for(size, quick, name)
+            else:
+                data = workloads.fresh(data)
             result = _measure(conn, workload, data, name, message[1], operation)
             correct = True
             if name not in runners.LIMIT_PARTS:

@@ -29,7 +29,7 @@ from .runners import CONTENDERS, LIMIT_PARTS, PICKLING
 from .workloads import Workload, make_workloads
 
 QUICK_SIZE = 8 * MiB
-DEFAULT_WORKLOADS = "abcdefghijklmp"
+DEFAULT_WORKLOADS = "abcdefghijklmnp"
 
 
 def run_benchmark(
@@ -43,7 +43,7 @@ def run_benchmark(
     progress: bool = True,
     memory_mode: str = "tree",
 ) -> Report:
-    """Run the chosen workloads (keys ``a``-``m``, ``p``) for each contender ``repeats`` times, interleaved.
+    """Run the chosen workloads (keys ``a``-``n``, ``p``) for each contender ``repeats`` times, interleaved.
 
     Each contender runs each workload in a process of its own (:class:`ContenderProcess`), started before the
     workload's first run and ended after its last, so that no contender can bias another; memory is sampled

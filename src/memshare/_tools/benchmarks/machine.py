@@ -129,7 +129,7 @@ def copies_factor(key: str, contender: str) -> float:
         return 2 if contender in PICKLING + ("joblib",) else 1
     if key == "m":
         return 3 if contender == "joblib" else 2
-    if key in ("j", "k"):
+    if key in ("j", "k", "n"):
         return 4 if contender == "joblib" else 1
     if key == "l":
         return 0.5

@@ -93,6 +93,8 @@ OBJECT_STAT_KEYS: Tuple[str, ...] = (
     "bytes_buffers_pickled",
     "objects_dumped",
     "bytes_objects_dumped",
+    "buffers_reused",
+    "bytes_buffers_reused",
     "results_by_reference",
     "bytes_results_by_reference",
 )
@@ -160,6 +162,10 @@ class Workload:
     workload (each gets rows of its own), ``fresh_process`` those of them timed in a new
     contender process at every repeat. ``reference`` is the contender the main table's
     ratios divide by; ``stat_keys`` the keys of ``memshare.last_call_stats()`` reported.
+    ``second_call`` runs the tasks once, untimed, as a call of their own, and times the second call.
+    ``fresh_data`` builds the data anew for each repeat: memshare keeps the buffers of live Arrow
+    data for later calls, so a frame reused across repeats would time the first repeat cold and the
+    others warm.
     ``warm(n_jobs)``, when set, gives tiny tasks run once after the workers start, untimed,
     so that every worker imports what the timed tasks need (pandas and pyarrow, say) before
     the timing, as the noop tasks that start them do not.
@@ -172,6 +178,8 @@ class Workload:
     contenders: Tuple[str, ...] = BASE_CONTENDERS
     pickled_bytes: Callable[[Any], int] = lambda data: 0
     managed_second_call: bool = False
+    second_call: bool = False
+    fresh_data: bool = False
     calls: int = 1
     check: Callable[[Any, Any], bool] = _close
     n_jobs_values: Tuple[int, ...] = ()
@@ -230,6 +238,8 @@ class Workload:
             if self.managed_second_call:
                 r.managed()
                 r.run(tasks)  # the first call, untimed: the second one is measured
+            elif self.second_call:
+                r.run(tasks)  # the first call, untimed, of its own: the second one is measured
             if self.calls == 1:
                 yield lambda: r.run(tasks)
             else:
@@ -314,7 +324,7 @@ def _tiny(size: int, quick: bool) -> int:
 
 
 def make_workloads() -> Dict[str, Workload]:
-    """All workloads by key (a-m and p)."""
+    """All workloads by key (a-n and p)."""
     return {
         "a": Workload(
             "a",
@@ -406,6 +416,7 @@ def make_workloads() -> Dict[str, Workload]:
             skip_reason=arrow_skip,
             stat_keys=OBJECT_STAT_KEYS,
             warm=warm_strings,
+            fresh_data=True,
         ),
         "k": Workload(
             "k",
@@ -418,6 +429,7 @@ def make_workloads() -> Dict[str, Workload]:
             skip_reason=arrow_skip,
             stat_keys=OBJECT_STAT_KEYS,
             warm=warm_arrow_dtypes,
+            fresh_data=True,
         ),
         "l": Workload(
             "l",
@@ -441,6 +453,19 @@ def make_workloads() -> Dict[str, Workload]:
             skip_reason=arrow_skip,
             stat_keys=OBJECT_STAT_KEYS,
             warm=warm_results,
+        ),
+        "n": Workload(
+            "n",
+            "Arrow strings, second call: workload (j) run twice as separate calls over the same frame, the "
+            "second one timed (memshare sends again the buffers its first call wrote, once it compared them)",
+            lambda size, quick: string_frame(size),
+            frame_tasks,
+            contenders=("memshare", "joblib", "serial"),
+            skip_reason=arrow_skip,
+            stat_keys=OBJECT_STAT_KEYS,
+            warm=warm_strings,
+            second_call=True,
+            fresh_data=True,
         ),
         "p": Workload(
             "p",
