@@ -53,15 +53,18 @@ def kept_now() -> list:
 
 
 @pytest.mark.parametrize("files", ["memfds", "named files"])
-def test_a_second_call_over_a_live_frame_writes_nothing(request, files):
+def test_a_second_call_over_a_live_frame_writes_nothing(request, caplog, files):
     shm_dir = request.getfixturevalue("shm_dir") if files == "named files" else None
     frame = string_frame()
     want = [total_length(frame)] * 4
     assert Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_length)(frame) for _ in range(4)) == want
     first = memshare.last_call_stats()
     assert first["buffers_dumped"] >= 1 and first["buffers_reused"] == 0, first
-    assert Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_length)(frame) for _ in range(4)) == want
+    with caplog.at_level("DEBUG", logger="memshare"):
+        assert Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_length)(frame) for _ in range(4)) == want
     second = memshare.last_call_stats()
+    reused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reused buffer of pyarrow")]
+    assert len(reused) == second["buffers_reused"] and all("written by an earlier call" in m for m in reused), reused
     assert second["buffers_dumped"] == 0, second
     assert second["buffers_reused"] == first["buffers_dumped"], second
     assert second["bytes_buffers_reused"] == first["bytes_buffers_dumped"], second

@@ -211,7 +211,7 @@ class DumpTable:
         ref = self._kept.reuse(key, raw)
         if ref is not None:
             self._stats.add(buffers_reused=1, bytes_buffers_reused=raw.nbytes)
-            log_buffer_decision(REUSED, raw.nbytes, exporter, ref.path)
+            log_buffer_decision(REUSED, raw.nbytes, exporter, f"{ref.path}, written by an earlier call")
         else:
             written = self._kept.keep(key, raw)
             if written is None:

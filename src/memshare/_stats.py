@@ -24,7 +24,7 @@ logger = logging.getLogger("memshare")
 DUMPED = "dumped"
 REFERENCED = "referenced"
 PICKLED = "pickled"
-REUSED = "reused from an earlier call"
+REUSED = "reused"
 HELD_ONCE = "held once"
 NOT_HELD_ONCE = "not held once"
 
