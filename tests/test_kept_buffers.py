@@ -80,7 +80,7 @@ def test_the_same_memory_reached_through_another_object_is_reused(shm_dir):
     frame = string_frame()
     Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_length)(frame) for _ in range(2))
     dumped = memshare.last_call_stats()["bytes_buffers_dumped"]
-    table = pa.table({"s": frame["s"].array._pa_array})  # no copy: the frame's own buffers
+    table = pa.table({"s": frame["s"].array.__arrow_array__()})  # no copy: the frame's own chunked array
     out = Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(len)(table.column(0)) for _ in range(2))
     assert out == [ROWS] * 2
     stats = memshare.last_call_stats()
