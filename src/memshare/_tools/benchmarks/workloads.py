@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -325,6 +325,18 @@ def _tiny(size: int, quick: bool) -> int:
 
 def make_workloads() -> Dict[str, Workload]:
     """All workloads by key (a-n and p)."""
+    arrow_strings = Workload(
+        "j",
+        f"Arrow strings: a DataFrame with one string[pyarrow] column of about the size, passed to "
+        f"{FRAME_TASKS} tasks that each compute one cheap statistic of it (joblib pickles it into every task)",
+        lambda size, quick: string_frame(size),
+        frame_tasks,
+        contenders=("memshare", "joblib", "serial"),
+        skip_reason=arrow_skip,
+        stat_keys=OBJECT_STAT_KEYS,
+        warm=warm_strings,
+        fresh_data=True,
+    )
     return {
         "a": Workload(
             "a",
@@ -406,18 +418,7 @@ def make_workloads() -> Dict[str, Workload]:
             skip_reason=_shared_skip,
             select=_shared_for_memshare,
         ),
-        "j": Workload(
-            "j",
-            f"Arrow strings: a DataFrame with one string[pyarrow] column of about the size, passed to "
-            f"{FRAME_TASKS} tasks that each compute one cheap statistic of it (joblib pickles it into every task)",
-            lambda size, quick: string_frame(size),
-            frame_tasks,
-            contenders=("memshare", "joblib", "serial"),
-            skip_reason=arrow_skip,
-            stat_keys=OBJECT_STAT_KEYS,
-            warm=warm_strings,
-            fresh_data=True,
-        ),
+        "j": arrow_strings,
         "k": Workload(
             "k",
             f"Arrow dtypes: a DataFrame read from (in-memory) Parquet with types_mapper=pd.ArrowDtype, a string "
@@ -454,18 +455,12 @@ def make_workloads() -> Dict[str, Workload]:
             stat_keys=OBJECT_STAT_KEYS,
             warm=warm_results,
         ),
-        "n": Workload(
-            "n",
-            "Arrow strings, second call: workload (j) run twice as separate calls over the same frame, the "
+        "n": replace(
+            arrow_strings,
+            key="n",
+            title="Arrow strings, second call: workload (j) run twice as separate calls over the same frame, the "
             "second one timed (memshare sends again the buffers its first call wrote, once it compared them)",
-            lambda size, quick: string_frame(size),
-            frame_tasks,
-            contenders=("memshare", "joblib", "serial"),
-            skip_reason=arrow_skip,
-            stat_keys=OBJECT_STAT_KEYS,
-            warm=warm_strings,
             second_call=True,
-            fresh_data=True,
         ),
         "p": Workload(
             "p",
