@@ -17,8 +17,9 @@ import pytest
 from conftest import memfds_held, memshare_entries, wait_until
 
 import memshare
-from memshare import MemmappingPool, Parallel, delayed
-from memshare._kept_buffers import store
+from memshare import MemmappingPool, Parallel, _kept_buffers, delayed
+from memshare._kept_buffers import KeptBuffers, store
+from memshare._location import choose_location
 
 pa = pytest.importorskip("pyarrow", reason="kept buffers are Arrow's (pip install pyarrow)")
 pd = pytest.importorskip("pandas", reason="Arrow-backed pandas columns need pandas (pip install pandas)")
@@ -179,3 +180,24 @@ def test_a_forked_child_leaves_its_parents_kept_files_alone(shm_dir):
     del frame
     gc.collect()
     assert leaks(shm_dir) == []
+
+
+def test_a_comparison_that_fails_lets_go_of_the_file(shm_dir, monkeypatch):
+    kept = KeptBuffers()
+    array = pa.array(np.arange(300_000, dtype=np.int64))  # one 2.4 MB buffer
+    kept.note_owner(array, 1024**2)
+    buffer = array.buffers()[1]
+    key, raw, location = (buffer.address, buffer.size), np.frombuffer(buffer, np.uint8), choose_location()
+    ref, _, _ = kept.keep(key, raw, location)
+    kept.release(ref.path)  # the call that wrote it is over: kept while the array lives
+    assert kept.paths() == [ref.path]
+
+    def broken(*args):
+        raise OSError("no mapping")
+
+    monkeypatch.setattr(_kept_buffers, "same_bytes", broken)
+    with pytest.raises(OSError, match="no mapping"):
+        kept.reuse(key, raw, location)
+    del array, buffer, raw
+    gc.collect()
+    assert kept.paths() == [] and leaks(shm_dir) == []

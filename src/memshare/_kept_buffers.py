@@ -130,9 +130,15 @@ class KeptBuffers:
             if kept is None or kept.location != location or key not in self._owned:
                 return None
             kept.users += 1  # not deleted while compared
-        if kept.parent_view is None:
-            kept.parent_view = view_of(map_file(kept.ref), kept.ref)
-        if same_bytes(raw, kept.parent_view):
+        try:
+            if kept.parent_view is None:
+                kept.parent_view = view_of(map_file(kept.ref), kept.ref)
+            same = same_bytes(raw, kept.parent_view)
+        except BaseException:
+            with self._lock:
+                self._release(kept)
+            raise
+        if same:
             return kept.ref
         with self._lock:
             if self._kept.get(key) is kept:
