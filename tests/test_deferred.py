@@ -222,3 +222,32 @@ def test_terminating_a_pool_whose_map_waits_for_room_does_not_wait_for_the_heavy
         pool.terminate()
     pool.join()
     assert time.monotonic() - started < 15  # a hang guard, not a speed claim
+
+
+class Collectable:
+    """An argument whose collection a weak reference can see."""
+
+
+def test_an_abandoned_batch_lets_go_of_its_arguments_before_it_is_packed():
+    # A broken executor's feeder thread may keep the task in its queue long after the call ended (loky 3.4's
+    # does): the task must not keep the caller's data alive meanwhile.
+    import gc
+    import weakref
+
+    from memshare._deferred import DeferredFeed
+
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        feed = DeferredFeed(session, workers=2)
+        argument = Collectable()
+        watch = weakref.ref(argument)
+        deferred = feed.defer((len, (argument,), {}))
+        del argument
+        feed.abandon(deferred)
+        gc.collect()
+        assert watch() is None, "the abandoned task still holds its arguments"
+        rebuild, args = deferred.__reduce__()  # loky's feeder pickling it later: an Unsent placeholder
+        ok, error = feed.outcome(rebuild(*args))
+        assert ok is False and "ended before it was sent" in str(error)
+    finally:
+        session.close()

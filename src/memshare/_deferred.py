@@ -86,8 +86,9 @@ class DeferredFeed:
         Runs in loky's feeder thread: never raises.
         """
         batch = deferred.take_batch()
-        if batch is None:  # pickled a second time: nothing left to pack
-            return self._failed(RuntimeError("memshare: a task was pickled twice"))
+        if batch is None:  # abandoned before it was packed (its arguments were let go of), or pickled twice
+            reason = "its call ended before it was sent" if deferred._abandoned else "it was pickled twice"
+            return self._failed(RuntimeError(f"memshare: a task was not packed: {reason}"))
         session = self.session
         self._heavy.wait_for_room()
         dumped_before = session.stats.bytes_dumped  # only this thread packs this session's tasks
@@ -113,10 +114,18 @@ class DeferredFeed:
             self._heavy.ended(deferred.token)
 
     def abandon(self, deferred: DeferredTask) -> None:
-        """Release what ``deferred`` holds, now or as soon as it is packed: its outcome will never be read."""
+        """Release what ``deferred`` holds, now or as soon as it is packed: its outcome will never be read.
+
+        A batch not packed yet is let go of at once: a broken executor's feeder
+        thread may hold the task in its queue for long after the call ended
+        (loky 3.4's does), and the batch's arguments, the caller's data, must
+        not live as long (Arrow buffers kept across calls would stay with them).
+        """
         with self._lock:
             deferred._abandoned = True
             token = deferred.token
+            if token is None:
+                deferred.take_batch()
         if token is not None:
             self._heavy.ended(token)  # packed between ended() and now, perhaps
             self.session.task_done(token)
