@@ -115,11 +115,6 @@ class KeptBuffers:
                 if kept is not None:
                     self._retire(kept)
 
-    def owned(self, key: Key) -> bool:
-        """True while a live Arrow object holds the buffer at ``key``."""
-        with self._lock:
-            return key in self._owned
-
     # -- files -----------------------------------------------------------------
 
     def reuse(self, key: Key, raw: np.ndarray, location: Location) -> Optional[ArrayRef]:
