@@ -19,10 +19,10 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(where="src", include=["memshare", "memshare.*"]),
     package_dir={"": "src"},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     ext_modules=extensions,
     install_requires=[
-        "numpy>=1.21",
+        "numpy>=1.21.2",
         "joblib>=1.3",
         "cloudpickle>=2.0",
         "psutil>=5.8",
