@@ -10,6 +10,8 @@ other settings (``mmap_mode``, ``max_nbytes``, ``promote``, ``temp_folder``).
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 import zlib
 
@@ -265,13 +267,54 @@ def test_workers_never_change_the_parents_array_and_always_see_its_current_value
     or dumped before, and whatever the parent wrote since, every task reads
     the parent's current values and no task's write is seen by the parent.
     """
-    x = fresh(extra)
+    _run_calls(fresh(extra), calls, SIZE)
+
+
+#: The user's own mappings of a file the property also covers: shared, or private (``mmap.ACCESS_COPY``).
+_RAW_ACCESS = {"shared": mmap.ACCESS_WRITE, "private": mmap.ACCESS_COPY}
+_RAW_SIZE = 4 * MIB
+
+
+@pytest.mark.parametrize("access", sorted(_RAW_ACCESS))
+@settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(calls=st.lists(_call, min_size=2, max_size=4), extra=st.integers(0, 1000))
+def test_the_same_holds_for_an_array_over_the_users_mmap(tmp_path, access, calls, extra):
+    """The property above for an array over the user's ``mmap.mmap`` of a file, shared or private.
+
+    Such an array has no mode of its own, as an ordinary array: workers map
+    its file with the call's mode, or get a copy (a private mapping the
+    parent wrote to; any call with 'r+'/'w+'). The file changes only through
+    the parent's own writes, and never under a private mapping.
+    """
+    path = tmp_path / f"raw-{access}-{len(calls)}-{extra}-{os.urandom(4).hex()}.f8"
+    original = np.random.default_rng(extra).random(_RAW_SIZE // 8 + extra)
+    original.tofile(path)
+    with open(path, "r+b") as handle:
+        raw = mmap.mmap(handle.fileno(), 0, access=_RAW_ACCESS[access])
+    x = np.frombuffer(raw, dtype=np.float64)
+    try:
+        _run_calls(x, calls, _RAW_SIZE)
+        on_file = np.fromfile(path, dtype=np.float64)
+        assert np.array_equal(on_file, x if access == "shared" else original), "the file holds foreign values"
+    finally:
+        del x
+        path.unlink()
+
+
+def _run_calls(x: np.ndarray, calls, size: int) -> None:
+    """Run ``calls`` over ``x`` (of about ``size`` bytes): tasks read its current values, and never change it."""
     shadow = x.copy()  # what the parent's array must hold; never sent
     for step, call in enumerate(calls):
         _parent_write(x, call["parent_writes"], float(step + 1))
         _parent_write(shadow, call["parent_writes"], float(step + 1))
         argument, expected = (x[1:], shadow[1:]) if call["view"] else (x, shadow)
-        max_nbytes = SIZE // 2 if call["dump"] else 2 * SIZE
+        max_nbytes = size // 2 if call["dump"] else 2 * size
         task = scribble if call["write"] else checksum
         with joblib.parallel_config(backend="memshare", promote=call["promote"]):
             results = memshare.Parallel(n_jobs=2, mmap_mode=call["mode"], max_nbytes=max_nbytes)(

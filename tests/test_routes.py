@@ -13,7 +13,7 @@ import pytest
 
 import memshare
 from memshare._owners import Owner, new_folder_name
-from memshare._refs import DUMP, SHARED, USER
+from memshare._refs import DUMP, SHARED, USER, find_backing
 from memshare._routes import (
     BY_VALUE,
     DUMP_ARRAY,
@@ -98,6 +98,67 @@ def test_arrays_over_a_raw_file_mmap_go_by_reference(tmp_path):
     finally:
         del array, route
         mapping.close()
+
+
+def raw_mapping(path, access=mmap.ACCESS_WRITE):
+    with open(path, "r+b") as handle:
+        return mmap.mmap(handle.fileno(), 0, access=access)
+
+
+@pytest.fixture
+def raw_file(tmp_path):
+    path = tmp_path / "raw.bin"
+    np.arange(float(LARGE)).tofile(path)
+    return path
+
+
+def test_a_raw_mmap_is_referenced_with_the_calls_mode_and_copied_for_writable_calls(raw_file):
+    # It has no mode of its own (a memmap keeps its own): the file stands for joblib's copy
+    # under 'r' and 'c'; under 'r+' the copy's shared writes must not reach the parent's array.
+    array = np.frombuffer(raw_mapping(raw_file), dtype=np.float64)
+    view = array[LARGE // 4 :]
+    view.flags.writeable = False
+    for argument in (array, view):
+        for mode in ("r", "c"):
+            route = input_route(argument, LIMIT, NOTHING_HELD, worker_mode=mode)
+            assert route.kind == REFERENCE and route.ref.path == str(raw_file) and route.ref.mode == mode
+    assert input_route(array, LIMIT, NOTHING_HELD, worker_mode="r+").kind == DUMP_ARRAY
+    route = input_route(view, LIMIT, NOTHING_HELD, worker_mode="r+")
+    assert route.kind == DUMP_BASE and route.source is array
+    assert input_route(array[:4], LIMIT, NOTHING_HELD, worker_mode="r+").kind == PICKLE
+    del array, view, route
+
+
+@pytest.mark.parametrize("access", ["access", "flags"])
+def test_a_private_raw_mmap_is_referenced_only_while_no_page_is_written(raw_file, access):
+    if access == "access":
+        mapping = raw_mapping(raw_file, mmap.ACCESS_COPY)
+    else:
+        with open(raw_file, "r+b") as handle:
+            mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    array = np.frombuffer(mapping, dtype=np.float64)
+    assert find_backing(array) is None  # its private pages may differ from the file
+    assert input_route(array, LIMIT, NOTHING_HELD).kind == DUMP_ARRAY  # nothing known: copied
+    written = input_route(array, LIMIT, NOTHING_HELD, copy_on_write_unwritten=lambda a: False)
+    assert written.kind == DUMP_ARRAY and written.mode is None  # the copy is mapped with the call's mode
+    for mode in ("r", "c"):
+        route = input_route(array, LIMIT, NOTHING_HELD, copy_on_write_unwritten=lambda a: True, worker_mode=mode)
+        assert route.kind == REFERENCE and route.ref.path == str(raw_file) and route.ref.mode == mode
+    unwritten_r_plus = input_route(array, LIMIT, NOTHING_HELD, copy_on_write_unwritten=lambda a: True, worker_mode="r+")
+    assert unwritten_r_plus.kind == DUMP_ARRAY
+    del array, route, written, unwritten_r_plus
+
+
+def test_a_raw_mmap_split_in_several_entries_of_the_maps_is_still_one_file(raw_file):
+    mapping = raw_mapping(raw_file)
+    mapping.madvise(mmap.MADV_RANDOM, mmap.PAGESIZE, mmap.PAGESIZE)  # the kernel splits the mapping there
+    with open("/proc/self/maps") as maps:
+        assert sum(line.rstrip().endswith(str(raw_file)) for line in maps) >= 2
+    array = np.frombuffer(mapping, dtype=np.float64)
+    for start in (0, mmap.PAGESIZE // 8 - 1, mmap.PAGESIZE // 8 + 1):
+        ref = find_backing(array[start:])
+        assert ref is not None and ref.path == str(raw_file) and ref.offset == 8 * start
+    del array, ref
 
 
 def test_copy_on_write_memmaps_are_dumped_and_mapped_copy_on_write(user_memmap):
@@ -229,6 +290,16 @@ def test_large_results_go_to_a_result_file_unless_there_is_no_threshold():
 def test_results_viewing_a_user_file_go_by_reference(user_memmap):
     route = result_route(user_memmap[2:], LIMIT, never_owned)
     assert route.kind == REFERENCE and route.ref.kind == USER
+
+
+def test_results_over_a_private_raw_mmap_are_copied(raw_file):
+    # Written or not: the parent gets the worker's values, never the file's.
+    array = np.frombuffer(raw_mapping(raw_file, mmap.ACCESS_COPY), dtype=np.float64)
+    assert result_route(array, LIMIT, never_owned).kind == RESULT_FILE
+    array[0] = -1.0
+    assert result_route(array, LIMIT, never_owned).kind == RESULT_FILE
+    assert result_route(array[:4], LIMIT, never_owned).kind == BY_VALUE
+    del array
 
 
 def test_views_of_a_dump_come_back_as_copies(dump_memmap):

@@ -134,6 +134,32 @@ def is_copy_on_write(array: np.ndarray) -> bool:
     return top is not None and top.mode in ("c", "copyonwrite")
 
 
+def is_raw_mapping(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a file mapping with no ``np.memmap`` in its chain of bases.
+
+    An ``mmap.mmap`` the user made (or ``multiprocessing.shared_memory``):
+    unlike a memmap, it has no mode of its own for workers to keep.
+    """
+    return _outermost_memmap(array) is None and _maps_file(_owner(root_array(array)))
+
+
+def maps_privately(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a private (copy-on-write) mapping of a file.
+
+    A copy-on-write ``np.memmap``, or a raw mapping made with
+    ``mmap.ACCESS_COPY`` or ``mmap.MAP_PRIVATE``, which ``/proc/self/maps``
+    lists as private. Its written pages are private to this process and may
+    differ from the file.
+    """
+    if _outermost_memmap(array) is not None:
+        return is_copy_on_write(array)
+    root = root_array(array)
+    if not _maps_file(_owner(root)):
+        return False
+    located = _locate_mapping(*_byte_span(root))
+    return located is not None and located[2]
+
+
 def kind_of_path(path: str) -> str:
     """Classify a file by its name: memshare's own files carry their kind.
 
@@ -156,16 +182,19 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
 
     A copy-on-write mapping has none (its private pages may differ from the
     file) unless ``copy_on_write``: the caller checked that none is private.
+    That is a ``mode="c"`` memmap, or a raw mapping that ``/proc/self/maps``
+    lists as private (``mmap.ACCESS_COPY``, ``mmap.MAP_PRIVATE``).
 
     Covers ``np.memmap`` and its views at any depth (found through the
     public ``filename``/``offset`` of the memmap that owns the mapping) and,
     on Linux, arrays over a raw ``mmap.mmap`` of a file, directly or through a
     ``memoryview`` as ``multiprocessing.shared_memory`` gives (found through
-    ``/proc/self/maps``). Returns None for ordinary memory.
+    ``/proc/self/maps``). Returns None for ordinary memory. The mode of a
+    raw mapping's reference is its own ('r+', 'r' or 'c'): the caller gives
+    it the call's (``_routes.input_route``).
     """
     root = root_array(array)
-    owner = root.base.obj if isinstance(root.base, memoryview) else root.base
-    if not _maps_file(owner):
+    if not _maps_file(_owner(root)):
         return None
     memmap_offset = memmap_mode = None
     top = _outermost_memmap(array)
@@ -179,11 +208,11 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
         # np.memmap(x.filename, mode=x.mode) must not zero it.
         memmap_mode = _mapping_mode(nearest.mode)
     else:
-        located = _locate_mapping(data_address(root))
+        located = _locate_mapping(*_byte_span(root))
         if located is None:
             return None
-        path, root_offset = located
-        mode = "r+" if root.flags.writeable else "r"
+        path, root_offset, private = located
+        mode = "c" if private else "r+" if root.flags.writeable else "r"
     if mode == "c" and not copy_on_write:
         # A copy-on-write mapping's private pages differ from the file: the
         # file is not the array's content, so it must travel by value.
@@ -216,8 +245,34 @@ def _mapping_mode(memmap_mode: str) -> str:
     )
 
 
-def _locate_mapping(address: int) -> Optional[Tuple[str, int]]:
-    """(path, file offset) of ``address`` in this process's file mappings."""
+def _owner(root: np.ndarray) -> Any:
+    """What owns the memory of ``root``, the outermost array of a chain (through a memoryview, its object)."""
+    return root.base.obj if isinstance(root.base, memoryview) else root.base
+
+
+def _byte_span(array: np.ndarray) -> Tuple[int, int]:
+    """[first, end) addresses of the bytes ``array``'s elements occupy (any strides)."""
+    low = high = data_address(array)
+    if array.size == 0:
+        return low, low + 1  # no bytes: where it points, as for a byte
+    for count, stride in zip(array.shape, array.strides):
+        reach = (count - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high + array.itemsize
+
+
+def _locate_mapping(start: int, end: int) -> Optional[Tuple[str, int, bool]]:
+    """(path, file offset of ``start``, private) of the file mapping of this process that holds [start, end).
+
+    The range may span several entries of ``/proc/self/maps`` (the kernel
+    splits a mapping whose pages differ in protection or advice): each must
+    map the same file at the next offset. Private when any entry is
+    (``p`` in its permissions): its written pages are not the file's.
+    None when the range is not wholly one file's mapping.
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -225,14 +280,29 @@ def _locate_mapping(address: int) -> Optional[Tuple[str, int]]:
             lines = maps.read().splitlines()
     except OSError:
         return None
+    found: Optional[Tuple[str, int, bool]] = None
+    reached = start  # the first address not yet covered
     for line in lines:
         fields = line.split(None, 5)
         if len(fields) < 6:
             continue
-        start, end = (int(x, 16) for x in fields[0].split(b"-"))
-        if start <= address < end:
-            path = fields[5].strip()
-            if not path.startswith(b"/") or path.endswith(b" (deleted)"):
-                return None
-            return os.fsdecode(path), int(fields[2], 16) + address - start
+        low, high = (int(x, 16) for x in fields[0].split(b"-"))
+        if high <= reached:
+            continue
+        if low > reached:
+            return None  # a hole, or the range starts outside any mapping
+        path = fields[5].strip()
+        if not path.startswith(b"/") or path.endswith(b" (deleted)"):
+            return None
+        offset = int(fields[2], 16) + reached - low
+        private = fields[1].endswith(b"p")
+        if found is None:
+            found = (os.fsdecode(path), offset, private)
+        elif os.fsdecode(path) != found[0] or offset != found[1] + reached - start:
+            return None  # another file, or the same one at another offset
+        else:
+            found = (found[0], found[1], found[2] or private)
+        reached = high
+        if reached >= end:
+            return found
     return None

@@ -18,14 +18,27 @@ from typing import Any, Callable, Container, Optional
 import numpy as np
 
 from ._held_once import mode_unfit_reason
-from ._refs import DUMP, SHARED, USER, ArrayRef, data_address, find_backing, is_copy_on_write, root_array
+from ._refs import (
+    DUMP,
+    SHARED,
+    USER,
+    ArrayRef,
+    data_address,
+    find_backing,
+    is_copy_on_write,
+    is_raw_mapping,
+    maps_privately,
+    root_array,
+)
 
 # Arguments (input_route):
 #: In the stream, by value: small arrays, object dtypes, empty arrays.
 PICKLE = "pickle"
 #: The file the array already lives in, whatever its size: a view of the user's
-#: np.memmap or mmap, a shared array (memshare.empty...), another session's dump,
-#: a copy-on-write memmap none of whose pages was written (mapped copy-on-write).
+#: np.memmap (with its own mode), a shared array (memshare.empty...), another session's
+#: dump, a copy-on-write memmap none of whose pages was written (mapped copy-on-write),
+#: the user's raw mmap under a read-only or copy-on-write call (with the call's mode;
+#: a private one only while none of its pages was written).
 #: Also a result viewing the user's file or another process's shared array.
 REFERENCE = "reference"
 #: A large array in ordinary memory: written once to a dump of the session, with the
@@ -83,19 +96,22 @@ def input_route(
 
     ``max_nbytes`` is the session's threshold (None: never dump);
     ``own_dumps`` holds the paths of the session's current dump files;
-    ``copy_on_write_unwritten`` tells whether no page of a copy-on-write
-    memmap was written in this process (None: not known, so it is copied);
+    ``copy_on_write_unwritten`` tells whether no page of a private file
+    mapping (a copy-on-write memmap, a private ``mmap.mmap``) was written in
+    this process (None: not known, so it is copied);
     ``promote`` and ``worker_mode`` are the session's settings for holding
     arrays once and the mode its workers map files with.
     """
     if array.dtype.hasobject or array.nbytes == 0:
         return Route(PICKLE)
     ref = find_backing(array)
-    if ref is None and copy_on_write_unwritten is not None and is_copy_on_write(array):
+    if ref is None and copy_on_write_unwritten is not None and maps_privately(array):
         # Its file is its content while none of its pages is private: the
         # worker maps the file copy-on-write (read-only if the view is).
         if copy_on_write_unwritten(array):
             ref = find_backing(array, copy_on_write=True)
+    if ref is not None and is_raw_mapping(array):
+        ref = _in_call_mode(ref, worker_mode)
     if ref is not None:
         if ref.kind == DUMP and ref.path in own_dumps:
             return Route(OWN_DUMP, ref=ref)
@@ -106,6 +122,21 @@ def input_route(
     if base is not None:
         return _dump_route(DUMP_BASE, base, None, promote, worker_mode)
     return _dump_route(DUMP_ARRAY, array, _dump_mode(array), promote, worker_mode)
+
+
+def _in_call_mode(ref: ArrayRef, worker_mode: str) -> Optional[ArrayRef]:
+    """The reference to a raw mapping's file, mapped with the call's mode; None when it must be copied.
+
+    A raw ``mmap.mmap`` has no mode of its own (a memmap's is kept, as
+    joblib keeps it). joblib copies such an array and maps the copy with the
+    call's mode; the file stands for that copy under 'r' (read-only) and 'c'
+    (each task's writes its own), whatever the user's mapping allows. Under
+    'r+' the copy shares writes among the call's tasks, never with the
+    parent: the file cannot, as it is the parent's array.
+    """
+    if worker_mode not in ("r", "c"):
+        return None
+    return dataclasses.replace(ref, mode=worker_mode)
 
 
 def _dump_route(kind: str, source: np.ndarray, mode: Optional[str], promote: bool, worker_mode: str) -> Route:

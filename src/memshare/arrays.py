@@ -94,6 +94,6 @@ def is_shared(array: Any) -> bool:
     """True when ``array``'s memory can travel to workers by reference.
 
     That is: arrays made by this module, ``np.memmap`` arrays (not
-    copy-on-write ones), arrays over a file ``mmap``, and views of any of these.
+    copy-on-write ones), arrays over a file ``mmap`` (not private ones), and views of any of these.
     """
     return isinstance(array, np.ndarray) and array.size > 0 and find_backing(array) is not None
