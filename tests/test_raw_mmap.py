@@ -7,7 +7,8 @@ result over a worker's private mapping is copied. A shared mapping is the
 user's file itself: workers map it read-only under ``mmap_mode='r'`` and
 copy-on-write under ``'c'``, and under ``'r+'``/``'w+'`` they get a copy, as
 joblib gives (it copies every array that is not an ``np.memmap``): the file
-changes only through the parent. Each case is compared with serial
+changes only through the parent. An ``np.memmap`` keeps its own mode under
+every call mode, as joblib keeps it. Each case is compared with serial
 execution and with joblib's loky backend.
 """
 
@@ -186,3 +187,25 @@ def test_a_shared_mapping_goes_by_reference_mapped_with_the_calls_mode(tmp_path,
     stats = memshare.last_call_stats()
     assert stats["arrays_dumped"] == 0 and stats["arrays_referenced"] == 1
     del a, view
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("memmap_mode", ["r", "r+", "w+", "c"])
+def test_a_memmap_keeps_its_own_mode_under_every_call_mode(tmp_path, runner, memmap_mode, mode):
+    # Its mode is the user's choice, whatever the call's: 'r+' writes reach the file,
+    # 'r' refuses them, 'c' keeps them in the task (unwritten in the parent: referenced).
+    path = write_file(tmp_path / "ones.f8", 1.0)
+    if memmap_mode == "w+":
+        m = np.memmap(path, dtype=np.float64, mode="w+", shape=(N,))
+        m[:] = 1.0
+    else:
+        m = np.memmap(path, dtype=np.float64, mode=memmap_mode)
+    shared_writes = memmap_mode in ("r+", "w+")
+    expected = with_joblib(write_two, [m], mode)
+    assert expected == [("read-only", 1.0) if memmap_mode == "r" else ("wrote", 2.0)]
+    if shared_writes:
+        m[:] = 1.0  # undo what joblib's task wrote through the file
+    assert runner(write_two, [m], mode) == expected
+    assert not (file_values(path) - (2.0 if shared_writes else 1.0)).any()
+    assert not (m - (2.0 if shared_writes else 1.0)).any()
+    del m
