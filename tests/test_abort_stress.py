@@ -52,6 +52,7 @@ def busy_cpus():
             spinner.wait()
 
 
+@pytest.mark.version_independent
 def test_a_call_after_a_failed_call_gets_only_its_own_results(busy_cpus):
     with Parallel(n_jobs=2) as parallel:
         for iteration in range(ITERATIONS):

@@ -79,6 +79,7 @@ if __name__ == "__main__":
     [{}, {"MEMSHARE_MEMFD": "0"}, {"MEMSHARE_PROMOTE": "0"}],
     ids=["default", "memfd-off", "hold-once-off"],
 )
+@pytest.mark.version_independent
 def test_thousands_of_arrays_under_a_hard_limit_of_1024_descriptors(tmp_path, env):
     script = tmp_path / "breadth.py"
     script.write_text(BREADTH_SCRIPT)
@@ -287,6 +288,7 @@ def _start_and_kill(tmp_path, spare_watchdog: bool):
     return everyone, watchdogs
 
 
+@pytest.mark.version_independent
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_killing_every_process_then_clean_leaves_nothing_named_after_them(tmp_path):
     everyone, _ = _start_and_kill(tmp_path, spare_watchdog=False)

@@ -127,6 +127,7 @@ def test_clean_never_removes_live_owner(base):
     assert elsewhere and int(elsewhere.group(1)) >= 1, result.stdout
 
 
+@pytest.mark.version_independent
 def test_doctor_flags_small_shm(base, small_tmpfs):
     result = run_cli("doctor", "--shm", small_tmpfs, base=base)
     assert result.returncode == 1, result.stdout
@@ -134,6 +135,7 @@ def test_doctor_flags_small_shm(base, small_tmpfs):
     assert "PROBLEM:" in result.stdout and "OK:" not in result.stdout
 
 
+@pytest.mark.version_independent
 def test_doctor_and_clean_search_the_shm_option(base, small_tmpfs):
     leftover = make_folder(small_tmpfs, dead_owner(), nbytes=60 * MIB)
     result = run_cli("doctor", "--shm", small_tmpfs, "--need", "1K", base=base)

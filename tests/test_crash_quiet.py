@@ -442,6 +442,7 @@ def _our_fallback_folders() -> list:
     return [entry for entry, _ in memshare_entries(base) if entry.startswith(f"memshare-{os.getpid()}-")]
 
 
+@pytest.mark.version_independent
 def test_tmpfs_filled_by_another_thread_never_kills_a_worker(small_tmpfs, monkeypatch):
     ours = small_tmpfs / "memshare"
     fillers = small_tmpfs / "filler"
@@ -528,6 +529,7 @@ def _fresh_arrays():
         yield np.full(ARRAY_BYTES // 8, float(i))
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("keep_alive", [False, True], ids=["generator", "all-alive-in-a-list"])
 def test_shared_memory_stays_bounded_over_many_distinct_arrays(shm_dir, keep_alive):
     """400 tasks, each with its own fresh 2 MB array: the folder holds about what is in flight.

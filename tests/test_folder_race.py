@@ -72,6 +72,7 @@ def leftovers(*bases: str) -> list:
     ]
 
 
+@pytest.mark.version_independent
 def test_a_twin_planted_after_the_folder_appears_does_not_fail_the_call(small_shm):
     """The attack as another user runs it: watch shared memory, plant ``<tmp>/<name>-disk`` at once."""
     planted = None
@@ -97,6 +98,7 @@ def test_a_twin_planted_after_the_folder_appears_does_not_fail_the_call(small_sh
             remove_planted(planted)
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("how", ["folder of nobody", "symlink"])
 def test_a_taken_twin_name_is_passed_over_for_another_one(small_shm, tmp_path, how):
     """Even if the twin's own name were known and taken, the file goes to a spare twin."""

@@ -22,6 +22,7 @@ def _copy_sources(destination: str) -> None:
     shutil.copytree(ROOT, destination, ignore=ignore)
 
 
+@pytest.mark.version_independent
 @pytest.mark.timeout(600)
 def test_bench_after_plain_install_from_an_empty_folder(tmp_path):
     source, venv, empty = tmp_path / "src", tmp_path / "venv", tmp_path / "empty"

@@ -73,6 +73,7 @@ def test_full_shm_falls_back_to_disk_with_one_warning(tmp_path, monkeypatch):
     assert os.listdir(primary) == []  # nothing partial left
 
 
+@pytest.mark.version_independent
 def test_small_tmpfs_falls_back_cleanly_and_no_worker_dies(small_tmpfs, monkeypatch):
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
     big = np.ones(200 * 1024**2 // 8)
@@ -82,6 +83,7 @@ def test_small_tmpfs_falls_back_cleanly_and_no_worker_dies(small_tmpfs, monkeypa
     assert memshare_entries(small_tmpfs) == []
 
 
+@pytest.mark.version_independent
 def test_small_tmpfs_results_fall_back_too(small_tmpfs, monkeypatch):
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
     # The worker's fallback is reported in the parent, where the caller's warning filters apply.

@@ -229,6 +229,7 @@ KILLED_RUN = """
 """
 
 
+@pytest.mark.version_independent
 def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_location):
     flags = tmp_path / "flags"
     flags.mkdir()
@@ -310,6 +311,7 @@ SMALL_MOUNTS_RUN = """
 """
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("promote", ["1", "0"], ids=["held-once", "dumped"])
 def test_a_64_mb_shm_and_temp_dir_change_nothing(promote, tmp_path):
     temp = _temp_dir(tmp_path)
@@ -382,6 +384,7 @@ READ_ONLY_RUN = """
 """
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("promote", ["1", "0"], ids=["held-once", "dumped"])
 def test_read_only_shm_and_temp_dir_still_share_through_memory(promote, tmp_path):
     temp = _temp_dir(tmp_path)
@@ -420,6 +423,7 @@ def test_doctor_names_the_mechanism_and_lists_live_memfds_by_owner():
     assert "Mechanism\n  named files in " in switched.stdout and "MEMSHARE_MEMFD=0 turns memfds off" in switched.stdout
 
 
+@pytest.mark.version_independent
 def test_doctor_with_memfds_notes_a_small_shm_instead_of_failing(small_tmpfs):
     report = _doctor("--shm", str(small_tmpfs))
     assert report.returncode == 0, report.stdout

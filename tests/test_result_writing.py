@@ -225,6 +225,7 @@ def full_of(n, value):
     return np.full(n, value)
 
 
+@pytest.mark.version_independent
 def test_results_bigger_than_a_small_shm_move_to_disk_with_their_values(small_tmpfs, monkeypatch):
     """Docker's 64 MB /dev/shm: two workers' 48 MB results cannot all fit, so some move midway."""
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))
@@ -297,6 +298,7 @@ def small_disk_temp(tmp_path, monkeypatch):
         unmount(mount_point)
 
 
+@pytest.mark.version_independent
 def test_results_too_big_for_shared_memory_and_disk_come_back_by_value(small_tmpfs, small_disk_temp, monkeypatch):
     """/dev/shm 64 MB, temp dir 32 MB, four 40 MiB results: joblib returns them, and so does memshare."""
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(small_tmpfs))

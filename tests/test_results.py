@@ -196,6 +196,7 @@ def _room_for_a_result_beyond_4_gib():
     return None
 
 
+@pytest.mark.version_independent
 @pytest.mark.skipif(_room_for_a_result_beyond_4_gib() is not None, reason=str(_room_for_a_result_beyond_4_gib()))
 def test_results_larger_than_4_gib(monkeypatch):
     monkeypatch.delenv("MEMSHARE_TEMP_FOLDER", raising=False)  # the real /dev/shm: the result is RAM-sized
