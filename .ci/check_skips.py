@@ -16,7 +16,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from typing import List, NamedTuple, Tuple
 
-ENVIRONMENTS = ("main", "py3.13", "oldest", "numpy1", "joblib13", "joblib14")
+ENVIRONMENTS = ("main", "py3.15", "py3.14", "debian3.11", "py3.13", "oldest", "numpy1", "joblib13", "joblib14")
 
 
 class Allowed(NamedTuple):
