@@ -5,7 +5,10 @@ Every folder memshare creates is named
 
 * ``pid`` and ``start`` (the process start time, in clock ticks since boot on
   Linux) identify the owner. Checking both means a recycled pid never makes a
-  live owner look dead, nor a dead owner look alive.
+  live owner look dead, nor a dead owner look alive. The kernel shows a start
+  time through the reader's time namespace (``unshare --time``): it is
+  compared after moving it by the two namespaces' boot-time offsets, and
+  where those cannot be read the owner counts as alive.
 * ``ns`` is the pid namespace of the owner. Containers that share ``/dev/shm``
   (``--ipc=host``) see each other's folders but not each other's processes;
   a folder from another namespace is never judged dead.
@@ -149,7 +152,12 @@ class Owner:
         start = process_start_time(self.pid)
         if start is None:
             return OWNER_DEAD if _pid_certainly_gone(self.pid) else OWNER_ALIVE
-        return OWNER_ALIVE if start == self.start else OWNER_DEAD
+        # The start time is read through the reader's time namespace: the owner may
+        # have recorded another number for the same start (see _start_seen_by).
+        seen = _start_seen_by(self.pid, start)
+        if seen is None:
+            return OWNER_ALIVE  # cannot tell: keep the folder
+        return OWNER_ALIVE if abs(seen - self.start) <= seen.uncertainty else OWNER_DEAD
 
     def is_alive(self, local: bool = False) -> bool:
         """False only when this owner has certainly exited (``local`` as for :meth:`status`).
@@ -160,6 +168,70 @@ class Owner:
         orphan for ``python -m memshare clean``.
         """
         return self.status(local) != OWNER_DEAD
+
+
+class _Ticks(int):
+    """A start time in clock ticks, and by how many ticks either way it may be off."""
+
+    uncertainty: int
+
+    def __new__(cls, value: int, uncertainty: int = 0) -> _Ticks:
+        ticks = super().__new__(cls, value)
+        ticks.uncertainty = uncertainty
+        return ticks
+
+
+def _time_namespace(pid: object) -> Optional[int]:
+    """The inode of the time namespace ``pid`` (or ``"self"``) lives in; None when it cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/time").st_ino
+    except OSError:
+        return None
+
+
+def _boottime_offset(pid: object) -> Optional[int]:
+    """The boot-time offset (ns) of the time namespace ``pid`` lives in; None when it cannot be known.
+
+    ``timens_offsets`` shows the namespace of the process's future children,
+    which is its own unless it has just unshared one: then it is unknown.
+    """
+    try:
+        if os.stat(f"/proc/{pid}/ns/time_for_children").st_ino != _time_namespace(pid):
+            return None
+        with open(f"/proc/{pid}/timens_offsets", "rb") as offsets:
+            for line in offsets:
+                fields = line.split()
+                if len(fields) == 3 and fields[0] == b"boottime":
+                    return int(fields[1]) * 1_000_000_000 + int(fields[2])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _start_seen_by(pid: int, start: int) -> Optional[_Ticks]:
+    """``start``, the start time of ``pid`` read here, as ``pid`` itself reads it; None when unknown.
+
+    The kernel adds the reader's boot-time offset to a start time (a process
+    under ``unshare --time --boottime N`` reads its own start N seconds
+    later than other processes do), so the owner's recorded start is
+    comparable only after moving it by the difference of the two offsets.
+    A whole number of ticks moves it exactly; otherwise it may be one tick
+    off either way. Without time namespaces (no ``/proc/self/ns/time``)
+    every process reads the same number.
+    """
+    if not os.path.exists("/proc/self/ns/time"):
+        return _Ticks(start)  # no time namespaces here: one clock for all
+    here, there = _time_namespace("self"), _time_namespace(pid)
+    if here is None or there is None:
+        return None  # another user's process, say: its namespace cannot be looked at
+    if here == there:
+        return _Ticks(start)
+    ours, theirs = _boottime_offset("self"), _boottime_offset(pid)
+    if ours is None or theirs is None:
+        return None
+    tick = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    shift, remainder = divmod(theirs - ours, tick)
+    return _Ticks(start + shift, 1 if remainder else 0)
 
 
 def _pid_certainly_gone(pid: int) -> bool:
