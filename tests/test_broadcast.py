@@ -179,3 +179,24 @@ def test_joblib_loky_backend_gets_the_object(table):
 def test_received_table_is_empty_in_the_parent(table):
     memshare.broadcast(table)
     assert _broadcast.received_tokens() == []
+
+
+def _version_and_length(shared):
+    return shared.value["version"], len(shared.value["items"])
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
+def test_workers_see_the_object_as_it_was_at_broadcast_under_every_start_method(context):
+    """A change made after ``broadcast()`` stays in the parent: a forked worker gets the snapshot too."""
+    value = {"version": 1, "items": list(range(100_000))}
+    shared = memshare.broadcast(value)
+    value["version"] = 2
+    value["items"].append(100_000)
+    with memshare.MemmappingPool(2, context=context) as pool:
+        seen = set(pool.map(_version_and_length, [shared] * 8, chunksize=1))
+        pool.close()
+        pool.join()
+    assert seen == {(1, 100_000)}
+    assert shared.value is value  # the parent's own object, changes and all
+    with memshare.Parallel(n_jobs=2) as parallel:
+        assert set(parallel(memshare.delayed(_version_and_length)(shared) for _ in range(4))) == {(1, 100_000)}

@@ -10,11 +10,18 @@ rebuilt read-only over the shared mapping, so they exist once on the machine.
 
 Lifetime: the shared array is deleted when the parent's broadcast is garbage
 collected (see ``_shared_store``); a worker lets its copy go at its next task
-that finds the file gone (:func:`prune_received`), or when it exits.
+after that, or when it exits. A worker may hold thousands of copies, so it
+does not look at each before every task: the parent records the token of each
+broadcast whose file it deleted in its drop log (:class:`_DropLog`, a small
+shared array that travels with every broadcast), and a worker reads only the
+entries added since its last task (:func:`prune_received`). The snapshot is
+the contract in every process: a forked child (a ``context="fork"`` pool's
+worker) does not take the parent's own object for a broadcast it inherited.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import secrets
 import struct
@@ -25,13 +32,16 @@ import cloudpickle
 import numpy as np
 
 from . import _forksafe
-from ._refs import find_backing, is_file
+from ._mapping import array_from_ref, forget_mapping
+from ._refs import SHARED, ArrayRef, find_backing, is_file
 from ._shared_store import new_shared_array
 
 T = TypeVar("T")
 
 _ALIGN = 64  # every buffer starts on a 64-byte boundary: NumPy and Arrow need aligned data
 _COUNT = struct.Struct("<Q")
+#: Where a drop log is: (path, device, inode, size in bytes) of its shared file.
+LogAddress = Tuple[str, int, int, int]
 _SPAN = struct.Struct("<QQ")  # offset, length
 
 
@@ -45,12 +55,13 @@ class Broadcast(Generic[T]):
     and by no other process.
     """
 
-    __slots__ = ("_value", "_data", "_token", "__weakref__")
+    __slots__ = ("_value", "_data", "_token", "_drops", "__weakref__")
 
-    def __init__(self, value: T, data: np.ndarray, token: str) -> None:
+    def __init__(self, value: T, data: np.ndarray, token: str, drops: Optional[LogAddress] = None) -> None:
         self._value = value
         self._data = data
         self._token = token
+        self._drops = drops  # where the parent's drop log is (see _DropLog)
 
     @property
     def value(self) -> T:
@@ -65,7 +76,7 @@ class Broadcast(Generic[T]):
     def __reduce__(self) -> Tuple[Any, ...]:
         # The data is a shared array: memshare's picklers send it by reference,
         # any other pickler (Dask, a file) by value, and the object still arrives.
-        return (_receive, (self._token, self._data))
+        return (_receive, (self._token, self._data, self._drops))
 
     def __repr__(self) -> str:
         return f"<memshare.Broadcast of {type(self._value).__name__}, {self.nbytes} bytes shared>"
@@ -94,9 +105,19 @@ def broadcast(obj: T) -> Broadcast[T]:
     for buffer in buffers:
         buffer.release()
     token = secrets.token_hex(16)
-    shared = Broadcast(obj, data, token)
+    drops = _drop_log()
+    # When the file goes (the last view of the data collected), workers are told.
+    weakref.finalize(_mapping_of(data), drops.add, token)
+    shared = Broadcast(obj, data, token, drops.address)
     _sent.put(token, shared)
     return shared
+
+
+def _mapping_of(data: np.ndarray) -> np.ndarray:
+    """The mapping under a shared array: its file is deleted when this object is collected."""
+    while isinstance(data.base, np.ndarray):
+        data = data.base
+    return data
 
 
 def _aligned(offset: int) -> int:
@@ -112,8 +133,87 @@ def _load(data: np.ndarray) -> Any:
     return pickle.loads(view[start : start + length], buffers=buffers)
 
 
+#: Tokens a drop log holds: a worker that missed more drops than this between two tasks checks all its copies.
+DROP_SLOTS = 256
+_TOKEN_BYTES = 16  # secrets.token_hex(16)
+_DROP_COUNT = struct.Struct("<Q")
+
+
+class _DropLog:
+    """The tokens of the broadcasts whose file this process deleted, in a ring workers read.
+
+    A shared array: a count of drops, then the last ``DROP_SLOTS`` tokens. The
+    slot is written before the count is raised, and a reader that finds the
+    count moved more than ``DROP_SLOTS`` past what it read last (the ring
+    went round) checks every copy instead. One per process, made by its
+    first broadcast; a forked child makes its own.
+    """
+
+    def __init__(self) -> None:
+        self.array = new_shared_array((_DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES,), np.dtype(np.uint8), "C")
+        self._lock = _forksafe.lock()
+        self._pid = os.getpid()
+        # Sent as plain values, not as the array: a shared array would cost each task a route and a
+        # mapping per broadcast it names, and a worker needs to map the log only once.
+        ref = find_backing(self.array)
+        assert ref is not None, "a shared array is a file"
+        self.address: LogAddress = (ref.path, ref.device, ref.inode, int(self.array.nbytes))
+
+    def add(self, token: str) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child's inherited finalizer: the parent still holds the broadcast
+        with self._lock:
+            (count,) = _DROP_COUNT.unpack_from(self.array, 0)
+            slot = _DROP_COUNT.size + (count % DROP_SLOTS) * _TOKEN_BYTES
+            self.array[slot : slot + _TOKEN_BYTES] = np.frombuffer(bytes.fromhex(token), np.uint8)
+            _DROP_COUNT.pack_into(self.array, 0, count + 1)
+
+
+def _map_log(address: Any) -> Optional[np.ndarray]:
+    """A worker's own read-only mapping of a parent's drop log; None when it cannot be mapped (another machine)."""
+    try:
+        path, device, inode, size = address
+        ref = ArrayRef(path, int(device), int(inode), SHARED, "r", 0, (int(size),), (1,), np.dtype(np.uint8))
+        log = array_from_ref(ref, cached=False)
+    except (OSError, ValueError, TypeError):
+        return None
+    return log if log.nbytes >= _DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES else None
+
+
+def read_drops(log: np.ndarray, since: int) -> Tuple[int, Optional[List[str]]]:
+    """(count now, tokens dropped since the count ``since``), or the tokens None when the ring went round."""
+    (count,) = _DROP_COUNT.unpack_from(log, 0)
+    if count - since > DROP_SLOTS or count < since:
+        return count, None
+    tokens = []
+    for index in range(since, count):
+        slot = _DROP_COUNT.size + (index % DROP_SLOTS) * _TOKEN_BYTES
+        tokens.append(bytes(log[slot : slot + _TOKEN_BYTES]).hex())
+    # The parent may have written over the slots read meanwhile: then they prove nothing.
+    (now,) = _DROP_COUNT.unpack_from(log, 0)
+    return (count, tokens) if now - since <= DROP_SLOTS else (now, None)
+
+
+_drops: Optional[_DropLog] = None
+_drops_lock = _forksafe.lock()
+
+
+def _drop_log() -> _DropLog:
+    global _drops
+    with _drops_lock:
+        if _drops is None:
+            _drops = _DropLog()
+        return _drops
+
+
 class _Sent:
-    """The parent's broadcasts by token, weakly: a broadcast that comes back is the parent's own."""
+    """The parent's broadcasts by token, weakly: a broadcast that comes back is the parent's own.
+
+    Only in the process that made them: a forked child (a ``context="fork"``
+    pool's worker) holds the parent's objects as they are now, perhaps
+    changed since ``broadcast()``, and must unpickle the snapshot as a
+    worker started any other way does.
+    """
 
     def __init__(self) -> None:
         self._lock = _forksafe.lock()
@@ -127,22 +227,54 @@ class _Sent:
         with self._lock:
             return self._by_token.get(token)
 
+    def forget_after_fork(self) -> None:
+        self._by_token = weakref.WeakValueDictionary()
+
 
 class _Received:
-    """The broadcasts this process unpickled, each kept while its shared file exists."""
+    """The broadcasts this process unpickled, each kept until its parent's drop log names it.
+
+    The cost before a task is the number of drops since the last one, not
+    the number of copies held: every copy is checked (its shared file still
+    there) only when a drop log went round since, or for copies whose
+    parent sent no log (a broadcast pickled by an older memshare).
+    """
 
     def __init__(self) -> None:
         self._lock = _forksafe.lock()
         # token -> (broadcast, path, (device, inode)) of the file its data maps
         self._entries: Dict[str, Tuple[Broadcast, str, Tuple[int, int]]] = {}
+        # (device, inode) of a parent's drop log -> [the log, the count of drops read so far]
+        self._logs: Dict[Tuple[Any, ...], List[Any]] = {}
+        self._unlogged = False  # a copy kept without a drop log: check every copy before each task
 
-    def get(self, token: str, data: np.ndarray) -> Broadcast:
+    def get(self, token: str, data: np.ndarray, drops: Optional[LogAddress] = None) -> Broadcast:
+        with self._lock:
+            entry = self._entries.get(token)
+        if entry is not None and entry[1] == getattr(data, "filename", None):
+            # Held already (tokens are random: the same path is the same file): the cheap way, as
+            # every later task naming it goes, with the mapping it came over not cached.
+            forget_mapping(entry[1], *entry[2])
+            return entry[0]
         backing = find_backing(data)
         if backing is None:
             # By value (another pickler): nothing to key a copy's lifetime by, so none is kept.
             return Broadcast(_load(data), data, token)
+        # The copy holds its data's mapping for as long as it is kept: the cache need
+        # not, nor check its file before each task.
+        forget_mapping(backing.path, backing.device, backing.inode)
+        log_key = tuple(drops[1:3]) if drops is not None else None
         with self._lock:
             entry = self._entries.get(token)
+            known = log_key in self._logs
+        if not known:
+            log = _map_log(drops) if drops is not None else None
+            with self._lock:
+                if log is None:
+                    self._unlogged = True
+                elif log_key not in self._logs:
+                    # Drops before this one cannot name a broadcast a task is reading now.
+                    self._logs[log_key] = [log, read_drops(log, 0)[0]]
         if entry is not None and entry[2] == (backing.device, backing.inode):
             return entry[0]
         shared = Broadcast(_load(data), data, token)
@@ -152,10 +284,22 @@ class _Received:
         return entry[0]
 
     def prune(self) -> None:
-        """Let go of the broadcasts whose shared file is gone: the parent dropped them."""
+        """Let go of the broadcasts their parents dropped since the last call."""
+        check_all = False
         with self._lock:
-            entries = list(self._entries.items())
-        if not entries:
+            if not self._entries:
+                return
+            for state in self._logs.values():
+                count, tokens = read_drops(state[0], state[1])
+                state[1] = count
+                if tokens is None:
+                    check_all = True
+                    continue
+                for token in tokens:
+                    self._entries.pop(token, None)
+            check_all = check_all or self._unlogged
+            entries = list(self._entries.items()) if check_all else []
+        if not check_all:
             return
         gone = [token for token, (_, path, identity) in entries if not is_file(path, identity)]
         with self._lock:
@@ -168,19 +312,29 @@ class _Received:
 
 
 # Per process, as the mapping cache is: a worker's copies serve every task it runs.
-# A forked child keeps both tables as they are: the copies it inherited are valid,
-# and its own broadcasts are its own.
+# A forked child keeps the copies it inherited (they are valid snapshots) but not
+# the parent's own objects, nor its drop log (see _after_fork_in_child).
 _sent = _Sent()
 _received = _Received()
 
 
-def _receive(token: str, data: np.ndarray) -> Broadcast:
+def _after_fork_in_child() -> None:
+    global _drops
+    _sent.forget_after_fork()
+    _drops = None  # the parent's: this process's broadcasts get a log of their own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _receive(token: str, data: np.ndarray, drops: Optional[LogAddress] = None) -> Broadcast:
     """Unpickling a broadcast: the parent's own, or this worker's copy, made on first receipt."""
     own = _sent.get(token)
     if own is not None:
         return own
     _received.prune()
-    return _received.get(token, data)
+    return _received.get(token, data, drops)
 
 
 def prune_received() -> None:

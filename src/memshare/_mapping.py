@@ -320,6 +320,14 @@ class MappingCache:
             if not self._bases:
                 self._not_empty.clear()
 
+    def forget(self, path: str, device: int, inode: int) -> None:
+        """Drop the cached mappings of the file at ``path`` (its arrays keep theirs): their holder outlives tasks."""
+        with self._lock:
+            for mode in ("r", "r+"):
+                self._bases.pop((path, device, inode, mode), None)
+            if not self._bases:
+                self._not_empty.clear()
+
     def _start_pruner(self) -> None:
         if self._pruner_started:
             return
@@ -355,6 +363,11 @@ if hasattr(os, "register_at_fork"):
 def prune_mappings() -> None:
     """Drop this process's mappings of files that were deleted since."""
     cache.prune()
+
+
+def forget_mapping(path: str, device: int, inode: int) -> None:
+    """Stop caching this process's mappings of a file that something else keeps mapped (a broadcast's copy)."""
+    cache.forget(path, device, inode)
 
 
 def array_from_ref(ref: ArrayRef, cached: bool = True) -> np.memmap:
