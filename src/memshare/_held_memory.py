@@ -11,16 +11,15 @@ keeps the GIL throughout.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
-import platform
 import sys
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from . import _malloc
 from ._compat import gil_enabled
 
 try:
@@ -30,36 +29,20 @@ except ImportError:  # built without a C compiler, or not on Linux
 
 PAGE = mmap.PAGESIZE
 
-# glibc's malloc: a chunk served by mmap() starts at a page boundary with a
-# two-word header (prev_size, size); the size word has the IS_MMAPPED bit.
-_WORD = ctypes.sizeof(ctypes.c_size_t)
-_CHUNK_HEADER = 2 * _WORD
-_IS_MMAPPED = 0x2
-_SIZE_FLAGS = 0x7
-
 # /proc/self/pagemap: one 64-bit entry per virtual page.
 _PM_PRESENT = np.uint64(1 << 63)
 _PM_SWAPPED = np.uint64(1 << 62)
 _PM_FILE = np.uint64(1 << 61)  # a page of a file, or shared anonymous memory
 
 
-def _glibc_malloc_in_use() -> bool:
-    """True when this process's malloc is glibc's: its mmapped chunks have the layout checked below."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        process = ctypes.CDLL(None)
-    except OSError:
-        return False
-    # An allocator preloaded in place of glibc's (jemalloc, tcmalloc) answers
-    # the process's malloc, with another chunk layout.
-    address = ctypes.cast
-    return address(process.malloc, ctypes.c_void_p).value == address(libc.malloc, ctypes.c_void_p).value
+def malloc_in_use() -> _malloc.Malloc:
+    """This process's malloc: glibc's or another, and how memshare knows (see ``_malloc``)."""
+    return _MALLOC
 
 
 # Found once: a process's C library and allocator do not change.
-_GLIBC_MALLOC = _glibc_malloc_in_use()
+_MALLOC = _malloc.find()
+_GLIBC_MALLOC = _MALLOC.glibc
 
 
 def unsupported_reason() -> Optional[str]:
@@ -69,7 +52,7 @@ def unsupported_reason() -> Optional[str]:
     if _remap is None:
         return "memshare was installed without its C helper (memshare._remap: no C compiler at install time)"
     if not _GLIBC_MALLOC:
-        return "needs glibc's malloc (another allocator is in use)"
+        return f"needs glibc's malloc; this process's is {_MALLOC.describe()}"
     if not gil_enabled():
         return "needs the GIL, which keeps other threads' writes out of each copy-then-remap step"
     try:
@@ -141,36 +124,50 @@ def runs(indexes: np.ndarray) -> List[Tuple[int, int]]:
 def mmapped_chunk(address: int, nbytes: int) -> Optional[str]:
     """None when ``address`` is the data of a glibc malloc chunk of its own mapping; else why not.
 
-    The chunk must start on the page before ``address`` (data follows the
-    two-word header), be large enough for ``nbytes``, carry the IS_MMAPPED
-    bit, and span only private anonymous memory in ``/proc/self/maps``. Then
-    ``free()`` unmaps exactly that range, and nothing but this array lives in
+    glibc's two-word header (prev_size, size) must start on the page before
+    ``address``. The chunk must carry the IS_MMAPPED bit and start its
+    mapping (prev_size, its offset in the mapping, is 0: neither an aligned
+    allocation nor huge pages), and its mapping, which ends on a page
+    boundary in one of the layouts ``_malloc.mapping_end`` knows, must hold
+    the array and be private anonymous memory in ``/proc/self/maps``. Then
+    ``free()`` unmaps that whole range, and nothing but this array lives in
     it. The maps are read before the header, so no unmapped memory is read.
     """
-    chunk = address - _CHUNK_HEADER
+    chunk = address - _malloc.CHUNK_HEADER
     if chunk % PAGE:
         return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
     covered = _anonymous_extent(chunk)
     if covered is None:
         return "its memory is not a private anonymous mapping"
-    size_word = ctypes.c_size_t.from_address(chunk + _WORD).value
-    size = size_word & ~_SIZE_FLAGS
-    if not size_word & _IS_MMAPPED or size % PAGE or size < nbytes + _CHUNK_HEADER:
+    prev_size, size_word = (ctypes.c_size_t * 2).from_address(chunk)
+    if not size_word & _malloc.IS_MMAPPED:
         return "not a malloc chunk of its own mapping (glibc served it from the heap)"
-    if covered < chunk + size:
+    end, _layout = _malloc.mapping_end(chunk, size_word)
+    if prev_size or end is None:
+        return f"a malloc chunk of a layout memshare does not know (header {prev_size:#x}, {size_word:#x})"
+    if end < address + nbytes:
+        return "its malloc chunk is smaller than the array"
+    if covered < end:
         return "its malloc chunk is not wholly private anonymous memory"
     return None
 
 
 def _anonymous_extent(start: int) -> Optional[int]:
-    """The end of the run of private anonymous mappings from ``start`` (a mapping's first byte); None if none."""
+    """The end of the run of private anonymous mappings from the one holding ``start``; None if it is not one.
+
+    The kernel merges neighbouring anonymous mappings, so a chunk's mapping
+    may be part of a larger one. glibc may name its mappings (the tunable
+    ``glibc.mem.decorate_maps``: ``[anon:glibc: malloc]``); they are still
+    private anonymous memory.
+    """
     with open("/proc/self/maps", "rb") as maps:
         lines = maps.read().splitlines()
     end = None
     for line in lines:
         fields = line.split()
         low, high = (int(x, 16) for x in fields[0].split(b"-"))
-        anonymous = len(fields) < 6 and fields[3] == b"00:00" and fields[4] == b"0" and fields[1] == b"rw-p"
+        named = len(fields) < 6 or fields[5].startswith(b"[anon:")
+        anonymous = named and fields[3] == b"00:00" and fields[4] == b"0" and fields[1] == b"rw-p"
         if end is None and low <= start < high:
             if not anonymous:
                 return None

@@ -29,6 +29,7 @@ import importlib
 import multiprocessing
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -44,7 +45,7 @@ from .._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from .._held_memory import unsupported_reason
+from .._held_memory import malloc_in_use, unsupported_reason
 from .._held_once import mode_unfit_reason
 from .._location import (
     SHM_ROOT,
@@ -356,6 +357,8 @@ def _report_settings(in_force: InForce, location: Location, say: Callable[[str],
     promote_source = f"{ENV_PROMOTE}={os.environ.get(ENV_PROMOTE, '').strip()}" if source.startswith("$") else source
     reason = held_once_reason(settings, location, promote_source)
     say("  arrays held once: on" if reason is None else f"  arrays held once: off ({reason})")
+    if sys.platform.startswith("linux"):
+        say(f"  malloc: {malloc_in_use().describe()}")  # holding once needs glibc's
     verdict.problems.extend(in_force.problems)
     fstype = mount_fstype(os.path.realpath(location.base), read_mountinfo())
     note = disk_folder_message(location.base, fstype, location.chosen_by) if location.chosen_by else None
