@@ -203,6 +203,11 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: _has(getattr(_loky_resource_tracker, "_resource_tracker", None), "_lock"),
     ),
     (
+        "loky resource_tracker._resource_tracker._pid",
+        "a killed owner's watchdog waits for loky's tracker to exit (its workers gone) before removing its semaphores",
+        lambda: _has(getattr(_loky_resource_tracker, "_resource_tracker", None), "_pid"),
+    ),
+    (
         "threading.Lock._at_fork_reinit",
         "memshare's locks are unlocked in a forked child, as the standard library does for its own",
         lambda: _has(threading.Lock(), "_at_fork_reinit") and _has(threading.RLock(), "_at_fork_reinit"),
@@ -336,6 +341,20 @@ def make_loky_tracker_reentrant() -> None:
     lock = getattr(tracker, "_lock", None)
     if lock is not None and isinstance(lock, type(threading.Lock())) and not lock.locked():
         tracker._lock = threading.RLock()
+
+
+def loky_tracker_pid() -> Optional[int]:
+    """The pid of loky's resource tracker of this process, started if it was not; None when unknown.
+
+    None too in a child forked by ``multiprocessing``, which shares its
+    parent's tracker without knowing its pid.
+    """
+    try:
+        _loky_resource_tracker.ensure_running()
+    except Exception:  # the tracker is loky's business: starting a worker will say what is wrong
+        return None
+    pid = getattr(getattr(_loky_resource_tracker, "_resource_tracker", None), "_pid", None)
+    return pid if isinstance(pid, int) and pid > 0 else None
 
 
 # -- multiprocessing's fork server ----------------------------------------------

@@ -31,6 +31,7 @@ from joblib.externals.loky import ProcessPoolExecutor
 from . import _forksafe
 from ._compat import set_loky_leak_limit
 from ._owners import owner_identity
+from ._temp_folder import leave_loky_semaphores_to_watchdog
 from ._worker import watch_parent
 
 #: The variable newer loky releases read for their leak limit; memshare
@@ -67,6 +68,7 @@ def get_executor(
             # Tasks still running on the old executor (another thread's call)
             # finish first, as when loky replaces its own singleton.
             old.shutdown(wait=True)
+        leave_loky_semaphores_to_watchdog()  # before the executor makes any
         _executor = ProcessPoolExecutor(
             max_workers=n_jobs,
             timeout=timeout,

@@ -7,6 +7,11 @@ a finalizer when the object is collected, at interpreter exit, and, if the
 owner dies without any of those, by the owner's watchdog process
 (``_watchdog``); only the process that made them removes them. The first
 folder of a process sweeps the folders of dead owners (``_sweep``).
+
+The watchdog also removes a killed owner's loky semaphores; while it runs,
+they are not registered with loky's resource tracker
+(:func:`leave_loky_semaphores_to_watchdog`), which would otherwise warn about
+each after a kill, as leaked or as already gone.
 """
 
 from __future__ import annotations
@@ -44,11 +49,15 @@ class _ProcessState:
         self.watchdog = WatchdogClient()
         self.live_paths: Set[str] = set()
         self.swept = False
+        # loky semaphores of this process left to the watchdog rather than loky's tracker.
+        self.semaphores: Set[str] = set()
+        self.tracker_hooked = False
 
     def after_fork_in_child(self) -> None:
         self.watchdog.forget_after_fork()
         self.lock = _forksafe.lock()
         self.live_paths = set()
+        self.semaphores = set()  # the parent's: its own loky unregisters them, never this child
 
 
 _state = _ProcessState()
@@ -72,6 +81,54 @@ def _remove_all_at_exit() -> None:
         paths = list(_state.live_paths)
     _remove_paths(paths)
     _state.watchdog.close()
+
+
+def leave_loky_semaphores_to_watchdog() -> None:
+    """Have this process's watchdog, not loky's resource tracker, remove its loky semaphores after a kill.
+
+    Called before memshare starts loky workers. From then on, loky's
+    ``resource_tracker.register`` and ``unregister`` leave out the
+    semaphores this process names (``/loky-<pid>-*``) while its watchdog
+    runs: loky unlinks them at a normal exit, and the watchdog after a
+    kill, once the tracker, whose pid it is told here, has exited. Both
+    removing them would make the tracker warn about each; the watchdog must
+    be the one, since it outlives a killed process group and the tracker
+    does not.
+    """
+    from joblib.externals.loky.backend import resource_tracker
+
+    from ._compat import loky_tracker_pid
+
+    if not _state.watchdog.start():
+        return  # no watchdog: loky's tracker keeps the job
+    with _state.lock:
+        if not _state.tracker_hooked:
+            _state.tracker_hooked = True
+            _hook_tracker(resource_tracker)
+    pid = loky_tracker_pid()  # started now if it was not, as starting a worker would
+    if pid is not None:
+        _state.watchdog.watch_tracker(pid)
+
+
+def _hook_tracker(module) -> None:
+    register, unregister = module.register, module.unregister
+
+    def register_unless_watched(name, rtype):
+        if rtype == "semlock" and name.startswith(f"/loky-{os.getpid()}-") and _state.watchdog.running():
+            with _state.lock:
+                _state.semaphores.add(name)
+            return
+        register(name, rtype)
+
+    def unregister_unless_watched(name, rtype):
+        if rtype == "semlock":
+            with _state.lock:
+                if name in _state.semaphores:
+                    _state.semaphores.discard(name)
+                    return
+        unregister(name, rtype)
+
+    module.register, module.unregister = register_unless_watched, unregister_unless_watched
 
 
 def _is_own_dir(path: str) -> bool:

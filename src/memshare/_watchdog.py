@@ -22,6 +22,15 @@ process) the watchdog removes those semaphores too
 (:func:`remove_loky_semaphores`, which the sweep of dead owners and
 ``python -m memshare clean`` use as well). Removing a semaphore's name never
 disturbs a process that has it open (workers still running keep theirs).
+
+loky's resource tracker would unlink them as well, once the last process
+holding its pipe (the owner and every worker) is gone, and warn about each,
+or about each it found already gone. So the owner does not register its
+semaphores with the tracker while its watchdog runs (``_temp_folder``), and
+tells the watchdog the tracker's pid (a ``t`` line): the watchdog waits for
+the tracker to exit, which means no worker, not even one still starting and
+yet to open them by name, needs the semaphores any more, before it removes
+them.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, List, Optional, Tuple
+from typing import IO, Dict, List, Optional, Tuple
 
 #: Where loky's named semaphores show up (glibc names them ``/dev/shm/sem.<name>``).
 SEMAPHORE_DIR = "/dev/shm"
@@ -160,6 +169,16 @@ def _wait_for_owner_exit(owner: int, start: Optional[int]) -> bool:
         time.sleep(0.02)
 
 
+def _wait_for_trackers(trackers: Dict[int, int], deadline: float) -> None:
+    """Wait until each loky tracker (pid -> start time) has exited or the pid names another process, or ``deadline``."""
+    for pid, start in trackers.items():
+        while True:
+            state = _process_state(pid)
+            if state is None or state[1] != start or state[0] in ("Z", "X") or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+
+
 def _serve(stream: IO[bytes], owner: int = 0, start: Optional[int] = None) -> None:
     """Track registrations from ``stream``; clean up at its end-of-file.
 
@@ -167,6 +186,7 @@ def _serve(stream: IO[bytes], owner: int = 0, start: Optional[int] = None) -> No
     ``start`` its start time, read when the watchdog started.
     """
     registered: set[bytes] = set()
+    trackers: Dict[int, int] = {}  # loky's resource trackers of the owner: pid -> start time
     said_goodbye = False
     for line in stream:
         line = line.strip()
@@ -179,10 +199,16 @@ def _serve(stream: IO[bytes], owner: int = 0, start: Optional[int] = None) -> No
             registered.discard(path)
         elif action == b".":
             said_goodbye = True
+        elif action == b"t" and path.isdigit():
+            state = _process_state(int(path))  # read now, while the owner keeps the tracker running
+            if state is not None:
+                trackers[int(path)] = state[1]
     # The owner died (no goodbye): its semaphores go first, once its pid is gone (a
     # moment after the pipe closed), and its folders last, so that a watchdog killed
     # in between leaves a folder by which ``python -m memshare clean`` finds the owner.
     if owner > 0 and not said_goodbye and _wait_for_owner_exit(owner, start):
+        # The tracker exits once the owner's workers are gone: none of them can still need a semaphore.
+        _wait_for_trackers(trackers, time.monotonic() + OWNER_EXIT_WAIT)
         remove_loky_semaphores(owner)
     for path in registered:
         # Only a directory of this user: a folder (or symlink) another user
@@ -214,6 +240,21 @@ class WatchdogClient:
 
     def unregister(self, path: str) -> None:
         self._send(b"-", path, start=False)
+
+    def watch_tracker(self, pid: int) -> None:
+        """Have the watchdog wait for loky's resource tracker ``pid`` before it removes the owner's semaphores."""
+        self._send(b"t", str(pid))
+
+    def running(self) -> bool:
+        """True while this process's watchdog runs (started, if it was not, by a registration)."""
+        with self._lock:
+            process = self._current()
+            return process is not None and process.poll() is None
+
+    def start(self) -> bool:
+        """Start the watchdog if it is not running; True when it runs."""
+        with self._lock:
+            return self._ensure_started() is not None
 
     def _send(self, action: bytes, path: str, start: bool = True) -> None:
         message = action + os.fsencode(path).hex().encode("ascii") + b"\n"
