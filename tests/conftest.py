@@ -284,18 +284,25 @@ def array_fit_to_hold(nbytes: int, seed: int = 0):
     """A new ordinary float64 array of about ``nbytes`` that memshare can hold once, in this process as it is now.
 
     Whether an array can be held once also depends on where glibc put it (a mapping of its own, not heap memory
-    freed by earlier tests); arrays that do not qualify are kept aside while another is made. Fails with the reason
-    when none qualifies, so that a test depending on holding once says why it could not.
+    freed by earlier tests); arrays that do not qualify are kept aside while another is made, at most 6 and none
+    past the call, so that a failing run holds no gigabytes. Fails with the reason when none qualifies (at once for
+    a reason other than the heap), so that a test depending on holding once says why it could not.
     """
     from memshare import _held_once
 
     kept_aside, reason = [], None
-    for _ in range(16):
-        array = np.random.default_rng(seed).random(nbytes // 8)
-        reason = _held_once.unfit_reason(array, "r", None)
-        if reason is None:
-            return array
-        kept_aside.append(array)
+    try:
+        for _ in range(7):
+            array = np.random.default_rng(seed).random(nbytes // 8)
+            reason = _held_once.unfit_reason(array, "r", None)
+            if reason is None:
+                return array
+            if "from the heap" not in reason:
+                break
+            kept_aside.append(array)
+        del array
+    finally:
+        kept_aside.clear()
     raise AssertionError(f"no array of {nbytes} bytes could be held once in this process: {reason}")
 
 

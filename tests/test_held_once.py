@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 MIB = 1024**2
+#: How many heap-served arrays big() keeps aside while it asks for another (the memory a failing call may hold).
+KEPT_ASIDE = 6
 
 
 def big(mib=48, seed=0):
@@ -33,15 +35,24 @@ def big(mib=48, seed=0):
 
     glibc maps a large allocation on its own unless freed heap memory (left
     by earlier tests of this process) can take it; such an array is rightly
-    dumped instead, so it is kept aside while another is allocated.
+    dumped instead, so it is kept aside while another is allocated. At most
+    :data:`KEPT_ASIDE` are, and none outlives the call: a failing run must
+    not hold gigabytes (another reason than the heap fails at once).
     """
-    heap_served = []
-    for _ in range(64):
-        array = np.random.default_rng(seed).random(mib * MIB // 8)
-        if _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes) is None:
-            return array
-        heap_served.append(array)
-    raise AssertionError("glibc never served a large array with a mapping of its own")
+    heap_served, reason = [], None
+    try:
+        for _ in range(KEPT_ASIDE + 1):
+            array = np.random.default_rng(seed).random(mib * MIB // 8)
+            reason = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
+            if reason is None:
+                return array
+            if "from the heap" not in reason:
+                break
+            heap_served.append(array)
+        del array
+    finally:
+        heap_served.clear()
+    raise AssertionError(f"glibc did not serve a {mib} MiB array with a mapping of its own: {reason}")
 
 
 def value_at(x, i):
