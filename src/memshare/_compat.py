@@ -192,9 +192,17 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: _has(sys, "_is_gil_enabled") or sys.version_info < (3, 13),
     ),
     (
-        "multiprocessing forkserver._forkserver._preload_modules",
-        "a MemmappingPool's fork server imports memshare once, keeping the modules the user asked it to preload",
-        lambda: isinstance(getattr(getattr(_mp_forkserver, "_forkserver", None), "_preload_modules", None), list),
+        "multiprocessing forkserver._forkserver._preload_modules / _forkserver_pid / _preload_on_error (3.15)",
+        "a MemmappingPool's fork server imports memshare once, keeping the modules the user asked it to preload "
+        "and what to do when one fails to import",
+        lambda: (
+            isinstance(getattr(getattr(_mp_forkserver, "_forkserver", None), "_preload_modules", None), list)
+            and _has(_mp_forkserver._forkserver, "_forkserver_pid")
+            and (
+                _has(_mp_forkserver._forkserver, "_preload_on_error")
+                or not _takes_parameter(_mp_forkserver.set_forkserver_preload, "on_error")
+            )
+        ),
     ),
     (
         "loky resource_tracker._resource_tracker._lock",
@@ -364,14 +372,17 @@ def preload_in_fork_server(module: str) -> None:
     """Have the fork server import ``module`` when it starts, besides the modules already asked for.
 
     ``multiprocessing.set_forkserver_preload`` only replaces the list, which
-    is private: read it to keep what the user set. Once the server runs, the
-    list no longer matters and is left alone.
+    is private: read it to keep what the user set. From 3.15 the call also
+    sets what to do when a module fails to import (``on_error``), back to its
+    default unless given: the user's choice is read and passed on. Once the
+    server runs, the list no longer matters and is left alone.
     """
     server = getattr(_mp_forkserver, "_forkserver", None)
     modules = getattr(server, "_preload_modules", None)
     if not isinstance(modules, list) or module in modules or getattr(server, "_forkserver_pid", None) is not None:
         return
-    _mp_forkserver.set_forkserver_preload([*modules, module])
+    on_error = getattr(server, "_preload_on_error", None)
+    _mp_forkserver.set_forkserver_preload([*modules, module], **({} if on_error is None else {"on_error": on_error}))
 
 
 # -- numpy ---------------------------------------------------------------------
