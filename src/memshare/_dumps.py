@@ -1,10 +1,11 @@
-"""The dump files of one session: one per array or buffer, deleted as soon as nothing needs it, rewritten when stale.
+"""The dump files of one session: one per array or buffer, deleted as soon as nothing needs it, new when stale.
 
 A :class:`DumpTable` writes an array (keyed by its identity) or an argument's
 out-of-band buffer (keyed by its memory) to a dump file at most once per
 generation, counts the pending tasks that read each file, and deletes a file
 when its array is collected, when idle files need the room, or when the
-array changed since it was written. Not thread-safe on its own: the session
+array changed since it was written (once no pending task reads it: a
+changed array gets a new file). Not thread-safe on its own: the session
 calls every method with its lock held.
 """
 
@@ -131,18 +132,18 @@ class DumpTable:
     def dump(self, array: np.ndarray, mode: str, files: List[str]) -> ArrayRef:
         """The reference to ``array``'s dump mapped with ``mode``, written now unless current; noted in ``files``.
 
-        An array reused in a later generation, with no pending task reading
-        its file, is compared with the file and written again if it changed
-        (while tasks are pending, a change would race with them anyway, so
-        sending the same array many times in a row costs nothing). An
-        earlier call may have dumped it with another mode (a copy-on-write
-        memmap made read-only since): the file is reused, mapped with the
-        mode asked for now. Any mode is safe: the file is the session's copy.
+        An array reused in a later generation is compared with its file and
+        written to a new one if it changed: a task sees its arguments as they
+        were when it was packed. Tasks still reading the old file keep it; it
+        goes with the last of them. An earlier call may have dumped it with
+        another mode (a copy-on-write memmap made read-only since): the file
+        is reused, mapped with the mode asked for now. Any mode is safe: the
+        file is the session's copy.
         """
         entry = self._by_array.get(array)
         if entry is not None and entry.ref is not None and entry.generation != self.generation:
-            if entry.pending == 0 and not _matches_file(entry, array):
-                self._delete_file(entry)
+            if not _matches_file(entry, array):
+                self._retire_file(entry)
             entry.generation = self.generation
         if entry is None:
             entry = _Dump(ref=None, generation=self.generation)
@@ -188,6 +189,13 @@ class DumpTable:
         raw = np.frombuffer(buffer.raw(), np.uint8)  # no copy: the bytes to write
         key = (data_address(raw), raw.nbytes)
         held = self._buffers.get(key)
+        if held is not None and held.entry.ref is not None and held.entry.generation != self.generation:
+            # Kept from an earlier call because a task still reads it: the memory may have changed since.
+            if _matches_file(held.entry, raw):
+                held.entry.generation = self.generation
+            else:
+                self._retire_buffer(key)
+                held = None
         if held is None:
             held = self._buffers[key] = _BufferDump(_Dump(ref=None, generation=self.generation), buffer)
         entry = held.entry
@@ -197,7 +205,7 @@ class DumpTable:
                 self._evict_idle(limit=self._pending_bytes())
                 ref, seconds = dump_array(self._pair, raw, DUMP, mode)
                 self._count_dumped(raw, exporter, ref, seconds, self._pair.is_fallback(ref.path))
-            entry.ref = ref
+            entry.ref, entry.generation = ref, self.generation
             self._by_path[ref.path] = entry
             self._buffer_keys[ref.path] = key
         self._use(entry, files)
@@ -209,6 +217,11 @@ class DumpTable:
         if self._kept is None or mode not in ("r", "c"):
             return None
         ref = self._kept.reuse(key, raw)
+        if ref is not None and ref.path in self._by_path:
+            # The file of a buffer retired as changed, found equal again (written back meanwhile): a path
+            # names one entry, so this call takes a file of its own.
+            self._kept.release(ref.path)
+            return None
         if ref is not None:
             self._stats.add(buffers_reused=1, bytes_buffers_reused=raw.nbytes)
             log_buffer_decision(REUSED, raw.nbytes, exporter, f"{ref.path}, written by an earlier call")
@@ -305,6 +318,17 @@ class DumpTable:
             if held.entry.pending == 0:
                 self._forget_buffer(key)
 
+    def _retire_buffer(self, key: Tuple[int, int]) -> None:
+        """The buffer at ``key`` changed since its file was written: tasks reading the file keep it; later ones
+        get a new one. Its export is released: the file, not the memory, is what those tasks read."""
+        if self._buffers[key].entry.pending == 0:
+            self._forget_buffer(key)
+            return
+        held = self._buffers.pop(key)
+        self._buffer_keys.pop(held.entry.ref.path, None)
+        self._recent.discard(held.entry.ref.path)
+        held.entry.alive = False  # deleted with its last task (see _release)
+
     def _forget_buffer(self, key: Tuple[int, int]) -> None:
         """Delete the dump of the buffer at ``key`` and release its export."""
         held = self._buffers.pop(key)
@@ -367,7 +391,7 @@ class DumpTable:
                 if entry.uses < 2:
                     kept.append(path)
             elif not entry.alive:
-                self._delete_file(entry)  # its entry already left _by_array (_forget)
+                self._delete_file(entry)  # collected, or superseded by a newer file of its array or buffer
             elif entry.uses < 2:
                 self._idle[path] = entry
 
@@ -396,6 +420,19 @@ class DumpTable:
             _, entry = self._idle.popitem(last=False)
             idle_bytes -= entry.ref.nbytes
             self._delete_file(entry)  # the entry stays: a later use is then "shared"
+
+    def _retire_file(self, entry: _Dump) -> None:
+        """``entry``'s array changed since its file was written: the file goes now, or with its last pending task.
+
+        The array's entry then has no file, so the caller writes a new one.
+        """
+        if entry.pending == 0:
+            self._delete_file(entry)
+            return
+        old = dataclasses.replace(entry, alive=False)  # the file, with its pending count, apart from the array
+        self._by_path[old.ref.path] = old
+        self._idle.pop(old.ref.path, None)
+        entry.ref, entry.pending, entry.parent_view = None, 0, None
 
     def _forget(self, entry: _Dump) -> None:
         """The array of ``entry`` was garbage-collected: its file goes once no task needs it.

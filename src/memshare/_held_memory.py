@@ -3,9 +3,10 @@
 Everything here works on raw addresses of this process, so every function
 checks what it can before touching memory, and the caller (``_held_once``)
 only passes ranges inside an array it holds a reference to. The two steps
-that must not be split by a thread switch (write a range into the file, then
-map the file over it) are one call of the C helper ``memshare._remap``, which
-keeps the GIL throughout.
+that must not lose a write made between them (write a range into the file,
+then map the file over it) are one call of the C helper ``memshare._remap``,
+which keeps the range read-only meanwhile: a thread writing into it waits,
+then writes into the new mapping.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def unsupported_reason() -> Optional[str]:
     if not _GLIBC_MALLOC:
         return f"needs glibc's malloc; this process's is {_MALLOC.describe()}"
     if not gil_enabled():
-        return "needs the GIL, which keeps other threads' writes out of each copy-then-remap step"
+        return "needs the GIL: holding arrays once is not tested on free-threaded builds"
     try:
         with open("/proc/self/pagemap", "rb") as pagemap:
             pagemap.read(8)
@@ -67,17 +68,10 @@ def copy_then_remap(fd: int, file_offset: int, address: int, length: int) -> Non
     """Write memory ``[address, address + length)`` into ``fd`` at ``file_offset``, then map it back privately.
 
     Whole pages: ``address``, ``file_offset`` and ``length`` multiples of the page size, or the C helper
-    raises ValueError before touching memory or the file.
+    raises ValueError before touching memory or the file. No write of another thread is lost: the
+    range is read-only meanwhile, and a writer waits for the new mapping (see ``_remap.c``).
     """
     _remap.copy_then_remap(fd, file_offset, address, length)
-
-
-def rewrite_then_drop(fd: int, file_offset: int, address: int, length: int) -> None:
-    """Write pages written since into the file again, then drop their private copies.
-
-    Whole pages, as for :func:`copy_then_remap` (ValueError before anything is touched otherwise).
-    """
-    _remap.rewrite_then_drop(fd, file_offset, address, length)
 
 
 def write_range(fd: int, file_offset: int, address: int, length: int) -> None:
@@ -177,38 +171,6 @@ def _anonymous_extent(start: int) -> Optional[int]:
         elif end is not None and low >= end:
             break
     return end
-
-
-def mapped_privately_elsewhere(device: int, inode: int) -> bool:
-    """True when another process maps the file ``(device, inode)`` privately: a forked copy of an array held once.
-
-    A child forked while the parent held an array once shares the file's
-    pages for every page neither has written since; rewriting the file in
-    place would change the child's view. Workers map the file shared, so a
-    private mapping elsewhere means such a child (or a copy-on-write task
-    still running, which is as unsafe). Processes of other users cannot be
-    read and cannot be this process's children either; a child that has
-    since called exec() or exited maps nothing.
-    """
-    wanted = (f"{os.major(device):02x}:{os.minor(device):02x}".encode(), str(inode).encode())
-    me = os.getpid()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return True  # cannot tell: assume the worst
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/maps", "rb") as maps:
-                lines = maps.read().splitlines()
-        except OSError:
-            continue  # gone, or another user's
-        for line in lines:
-            fields = line.split(None, 5)
-            if len(fields) >= 5 and (fields[3], fields[4]) == wanted and fields[1].endswith(b"p"):
-                return True
-    return False
 
 
 def map_count_room(needed: int) -> bool:

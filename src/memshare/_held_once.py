@@ -4,10 +4,11 @@ The first time a session sends an eligible array (:func:`unfit_reason`), its
 bytes go to a file of shared memory and the whole pages of its buffer become
 a private (copy-on-write) mapping of that file at the same addresses
 (*holding it once*): the array object does not change, and its memory is held
-once, by the parent and by every worker that maps the file. The file goes to workers read-only
-or copy-on-write only, is brought up to date in place (changed pages only)
-once per call, and is deleted when the array is freed. :class:`SessionHolds`
-is one session's side of it: each array is looked at once per call.
+once, by the parent and by every worker that maps the file. The file goes to
+workers read-only or copy-on-write only and is never written again: when a
+later call finds the array changed, its pages move to a new file, and the old
+one goes once no task reads it. :class:`SessionHolds` is one session's side of
+it: each array is looked at once per call.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from . import _forksafe, _held_memory
 from ._compat import made_by_default_allocator
 from ._dumping import CHUNK_BYTES
-from ._folders import delete_file, reserve
+from ._folders import FolderPair, delete_file, reserve
 from ._identity import IdentityTable
 from ._location import SHM_ROOT, Location, choose_location, free_bytes
 from ._memfd import duplicate, held_count, is_memfd_path, within_budget
@@ -42,37 +43,58 @@ SAFE_MODES = ("r", "c")
 
 
 @dataclass
-class Held:
-    """One array held once: its file, and which part of its memory maps the file.
+class HeldFile:
+    """One file of an array held once: written once, then never changed.
 
-    The mapping is private: a write by the parent copies the one page it
-    touches, so the file, which workers read, does not change during a call,
-    and a forked child's writes stay in the child.
+    Never rewritten in place, because a process may map it privately
+    without memshare knowing: a pending task, or a child forked by C code
+    (its unwritten pages read the file). It is deleted once it is no longer
+    the array's current file and no pending task reads it.
     """
 
-    ref: ArrayRef  # the whole array in its file, mapped read-only by workers
+    ref: ArrayRef
+    readers: int = 0  # pending tasks (any pool or call) that read it
+    current: bool = True
+
+
+@dataclass
+class Held:
+    """One array held once: its current file, and which part of its memory maps that file.
+
+    The mapping is private: a write by the parent copies the one page it
+    touches, so the file, which workers read, does not change, and a
+    forked child's writes stay in the child.
+    """
+
+    file: HeldFile  # the array as of its last move; older files live on while tasks read them
     address: int
     nbytes: int
     first_page: int  # [first_page, end_page) maps the file; the rest is ordinary memory
     end_page: int
-    forks: int  # the process's fork count when no forked copy of the array was last seen
-    owner: int = field(default_factory=os.getpid)  # a forked child must not free the parent's file
-    pending: int = 0  # tasks in flight (any pool or call) that read the file
+    owner: int = field(default_factory=os.getpid)  # a forked child must not free the parent's files
+    # Taken for a whole refresh: another session refreshing the same array waits, then finds it current.
     _lock: object = field(default_factory=_forksafe.lock, repr=False)
 
-    def file_offset(self, address: int) -> int:
-        return self.ref.offset + address - self.address
+    @property
+    def ref(self) -> ArrayRef:
+        """The reference to the current file, read-only."""
+        return self.file.ref
 
-    def acquire(self) -> None:
+    def acquire(self) -> HeldFile:
+        """One more pending task reads the current file; the file, to :meth:`release` when it is done."""
         with self._lock:
-            self.pending += 1
+            self.file.readers += 1
+            return self.file
 
-    def release(self) -> None:
+    def release(self, file: HeldFile) -> None:
+        """A task that read ``file`` is done: a file no longer current goes with its last reader."""
         with self._lock:
-            self.pending -= 1
+            file.readers -= 1
+            if not file.current and file.readers <= 0:
+                self._delete(file)
 
-    def reference(self, worker_mode: str) -> ArrayRef:
-        """The reference workers map the held file with, in ``worker_mode``; never a writable one.
+    def reference(self, worker_mode: str, file: Optional[HeldFile] = None) -> ArrayRef:
+        """The reference workers map ``file`` (default: the current one) with, in ``worker_mode``; never writable.
 
         Raises ``ValueError`` for a writable mode (see :func:`mode_unfit_reason`):
         the caller must dump the array instead.
@@ -80,105 +102,88 @@ class Held:
         reason = mode_unfit_reason(worker_mode)
         if reason is not None:
             raise ValueError(f"memshare: an array held once cannot be sent as it is: {reason}")
-        return dataclasses.replace(self.ref, mode=worker_mode)
+        return dataclasses.replace((file or self.file).ref, mode=worker_mode)
 
     def describes(self, array: np.ndarray) -> bool:
         """True while ``array``'s memory is still the range that was held once."""
         return data_address(array) == self.address and array.nbytes == self.nbytes
 
     def refresh(self, array: np.ndarray) -> Optional[int]:
-        """Bring the file up to date with ``array``; the bytes rewritten, or None when it cannot be done in place.
+        """Make the current file hold ``array``'s bytes; the bytes written (0: it did), or None when it cannot tell.
 
-        ``/proc/self/pagemap`` tells which pages were written since: a page
-        present and no longer a file page (or swapped out) was copied by a
-        write. That reads 8 bytes a page (2 MB for 1 GiB) instead of the
-        array. Those pages are written to the file again and their private
-        copies dropped in one step no Python code can interleave with
-        (``_held_memory``); the first and last pages, partly outside the
-        array, are ordinary memory and compared byte by byte.
+        ``/proc/self/pagemap`` tells which pages were written since the last
+        move: a page present and no longer a file page (or swapped out) was
+        copied by a write. That reads 8 bytes a page (2 MB for 1 GiB) instead
+        of the array. The first and last pages, partly outside the array, are
+        ordinary memory and compared byte by byte. When anything changed, the
+        whole array moves to a new file (as when it was first held) and the
+        old file goes once no task reads it: a task sees its arguments as
+        they were when it was packed, however many earlier tasks still run.
 
-        None means: the array's memory moved or shrank, or it changed while a
-        task may still read the file, or after a fork (a child forked while
-        the array was held reads the file for every page neither has written,
-        so a rewrite would reach into it), or its pages' flags could not be
-        read. The caller then dumps the array.
+        None means: the array's memory moved or shrank, or its pages' flags
+        could not be read; the caller then dumps it. Raises ``OSError`` when
+        the new file could not be written; the record is then unusable (part
+        of the array maps the new file) and the caller must :func:`forget` it.
         """
-        if not self.describes(array):
-            return None
-        try:
-            changed = _held_memory.changed_pages(self.first_page, self.end_page)
-        except OSError:
-            return None
+        with self._lock:
+            if not self.describes(array):
+                return None
+            try:
+                changed = _held_memory.changed_pages(self.first_page, self.end_page)
+                if changed.size == 0 and self._edges_match():
+                    return 0
+            except OSError:
+                return None
+            file = HeldFile(_registry.write_file(array, self.first_page, self.end_page))
+            old, self.file = self.file, file
+            old.current = False
+            if old.readers <= 0:
+                self._delete(old)
+            return self.nbytes
+
+    def _edges_match(self) -> bool:
+        """True when the partial first and last pages still hold the current file's bytes."""
         edges = [
             (self.address, self.first_page - self.address),
             (self.end_page, self.address + self.nbytes - self.end_page),
         ]
+        edges = [(start, length) for start, length in edges if length]
+        if not edges:
+            return True
+        fd = _open_for_reading(self.file.ref)
         try:
-            fd = self._open()
-        except OSError:
-            return None
-        try:
-            stale_edges = [
-                (start, length)
-                for start, length in edges
-                if length and not _held_memory.same_bytes(fd, self.file_offset(start), start, length)
-            ]
-            if changed.size == 0 and not stale_edges:
-                return 0
-            with self._lock:
-                if self.pending or not self._no_forked_copy():
-                    return None
-                for first, count in _held_memory.runs(changed):
-                    start = self.first_page + first * PAGE
-                    _held_memory.rewrite_then_drop(fd, self.file_offset(start), start, count * PAGE)
-                for start, length in stale_edges:
-                    _held_memory.write_range(fd, self.file_offset(start), start, length)
+            offset = self.file.ref.offset - self.address
+            return all(_held_memory.same_bytes(fd, offset + start, start, length) for start, length in edges)
         finally:
             os.close(fd)
-        return int(changed.size) * PAGE + sum(length for _, length in stale_edges)
-
-    def _no_forked_copy(self) -> bool:
-        """True when no forked process still shares the file's pages privately (with the lock held).
-
-        Only looked for when the process forked since the last look: old loky
-        releases start every worker with fork() then exec(), which leaves no
-        copy behind, and a child that exits leaves none either.
-        """
-        if self.forks == _forks.count:
-            return True
-        count = _forks.count
-        if _held_memory.mapped_privately_elsewhere(self.ref.device, self.ref.inode):
-            return False
-        self.forks = count
-        return True
-
-    def _open(self) -> int:
-        """A writable descriptor of the file, opened for one refresh.
-
-        Not kept between refreshes: a process holding many arrays once
-        would otherwise spend a descriptor on each (a memfd already costs
-        one, kept by ``_memfd``).
-        """
-        if is_memfd_path(self.ref.path):
-            return duplicate(self.ref.path)
-        fd = os.open(self.ref.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        if not self.ref.is_file(os.fstat(fd)):
-            os.close(fd)
-            raise FileNotFoundError(f"memshare: {self.ref.path!r} was replaced")
-        return fd
 
     def close(self) -> None:
-        """The array is gone: free the file (workers drop their mappings when they see it gone).
+        """The array is gone: its current file goes now, or with its last reader.
 
         NumPy's ``free()`` unmapped the whole malloc chunk, the file mapping
-        with it, before this weak reference callback runs.
-
-        A forked child inherits the array's weak reference callback too; only
-        the process that held the array once frees its file.
+        with it, before this weak reference callback runs. A forked child
+        inherits the callback too; only the process that held the array
+        once frees its files.
         """
-        if os.getpid() != self.owner:
-            return
-        delete_file(self.ref.path)
+        with self._lock:
+            self.file.current = False
+            if self.file.readers <= 0:
+                self._delete(self.file)
+
+    def _delete(self, file: HeldFile) -> None:
+        if os.getpid() == self.owner:
+            delete_file(file.ref.path)
+
+
+def _open_for_reading(ref: ArrayRef) -> int:
+    """A descriptor of a held file of this process, opened to compare bytes with it."""
+    if is_memfd_path(ref.path):
+        return duplicate(ref.path)
+    fd = os.open(ref.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    if not ref.is_file(os.fstat(fd)):
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, f"memshare: {ref.path!r} was replaced")
+    return fd
 
 
 def mode_unfit_reason(worker_mode: str) -> Optional[str]:
@@ -279,30 +284,31 @@ class _Registry:
             held = self.lookup(array)
             if held is not None:
                 return held, 0.0
-            return self._hold(array)
+            started = time.perf_counter()
+            address, nbytes = data_address(array), array.nbytes
+            first_page = -(-address // PAGE) * PAGE
+            end_page = (address + nbytes) // PAGE * PAGE
+            ref = self.write_file(array, first_page, end_page)
+            held = Held(HeldFile(ref), address, nbytes, first_page, end_page)
+            with self.lock:
+                self.held.add(array, held, Held.close)
+            return held, time.perf_counter() - started
 
-    def _hold(self, array: np.ndarray) -> Tuple[Held, float]:
-        """Write ``array`` into a new file and map the file under it; the record and the seconds taken.
+    def write_file(self, array: np.ndarray, first_page: int, end_page: int) -> ArrayRef:
+        """Write ``array`` into a new file and map the file over its whole pages ``[first_page, end_page)``.
 
         Raises ``OSError`` when shared memory has no room. The array's values
         are right whatever happens: a piece is remapped only once its bytes
         are in the file, piece by piece (``CHUNK_BYTES``), so the extra
-        memory at any moment is one piece. One race is left to the caller,
-        as with any shared data: a NumPy operation that releases the GIL and
-        writes the array from another thread while it is made held once or
-        refreshed.
+        memory at any moment is one piece, and a thread writing into a piece
+        meanwhile waits for the new mapping (``_remap``). The partial first
+        and last pages stay ordinary memory: a write racing with their copy
+        may or may not reach the file (as any write racing with a send), but
+        never leaves the parent's memory.
         """
-        started = time.perf_counter()
-        with self.lock:
-            location = choose_location()
-            if location not in self.folders:
-                # memfds, or else named files, which only ever go to /dev/shm (see unfit_reason).
-                self.folders[location] = TempFolder(location=location) if location.in_memory else TempFolder(SHM_ROOT)
-            pair = self.folders[location].pair
+        pair = self._pair()
         address, nbytes = data_address(array), array.nbytes
         head = address % PAGE
-        first_page = -(-address // PAGE) * PAGE
-        end_page = (address + nbytes) // PAGE * PAGE
         # Room is reserved piece by piece, just before each piece is written:
         # reserving it all first would allocate the whole file while the
         # array's own pages still exist, holding the data twice at the peak.
@@ -324,14 +330,7 @@ class _Registry:
                     _held_memory.copy_then_remap(fd, offset, start, length)
                 else:
                     _held_memory.write_range(fd, offset, start, length)
-        except BaseException:
-            # Pieces remapped already hold the right bytes privately; the
-            # file's name goes, its memory stays while they map it.
-            os.close(fd)
-            delete_file(path)
-            raise
-        try:
-            ref = ArrayRef.in_file(
+            return ArrayRef.in_file(
                 path,
                 os.fstat(fd),
                 kind=HELD,
@@ -341,27 +340,25 @@ class _Registry:
                 strides=tuple(array.strides),
                 dtype=array.dtype,
             )
+        except BaseException:
+            # Pieces remapped already hold the right bytes privately; the
+            # file's name goes, its memory stays while they map it.
+            delete_file(path)
+            raise
         finally:
             os.close(fd)  # the file lives on: a memfd is held by _memfd, a named file by its name
-        held = Held(ref, address, nbytes, first_page, end_page, _forks.count)
+
+    def _pair(self) -> FolderPair:
+        """The folder pair new held files go to: memfds, or else named files, which only ever go to /dev/shm."""
         with self.lock:
-            self.held.add(array, held, Held.close)
-        return held, time.perf_counter() - started
+            location = choose_location()
+            if location not in self.folders:
+                self.folders[location] = TempFolder(location=location) if location.in_memory else TempFolder(SHM_ROOT)
+            return self.folders[location].pair
 
 
-class _ForkCount:
-    """How many times this process has forked: a rewrite in place after a fork would reach the child."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def before_fork(self) -> None:
-        self.count += 1
-
-
-# Per process, see _Registry; the fork count is the parent's own history.
+# Per process, see _Registry.
 _registry = _Registry()
-_forks = _ForkCount()
 
 
 def _reset_after_fork() -> None:
@@ -371,7 +368,7 @@ def _reset_after_fork() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_forks.before_fork, after_in_child=_reset_after_fork)
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def lookup(array: np.ndarray) -> Optional[Held]:
@@ -403,14 +400,17 @@ class SessionHolds:
         self._refreshed: IdentityTable[int] = IdentityTable()
         self._refused: IdentityTable[int] = IdentityTable()
 
-    def hold(self, array: np.ndarray, generation: int, worker_mode: str, temp_folder: Optional[str]) -> Optional[Held]:
-        """The record of ``array``, held once and current for ``generation``, acquired for one task; None: dump it.
+    def hold(
+        self, array: np.ndarray, generation: int, worker_mode: str, temp_folder: Optional[str]
+    ) -> Optional[Tuple[Held, HeldFile]]:
+        """``array``'s record and its file, current for ``generation``, acquired for one task; None: dump it.
 
         An array is held once the first time, brought up to date once per
-        generation after that, and refused (dumped) when it cannot be held
-        once or brought up to date in place. One held by an earlier call is
-        used whatever ``temp_folder``: it needs no new file, so nothing is
-        written anywhere. ``worker_mode`` must be one of ``SAFE_MODES``.
+        generation after that (a new file if it changed), and refused
+        (dumped) when it cannot be held once or its pages cannot be read.
+        One held by an earlier call is used whatever ``temp_folder``. The
+        caller releases the file (:meth:`Held.release`) when the task is
+        done. ``worker_mode`` must be one of ``SAFE_MODES``.
         """
         if self._refused.get(array) == generation:
             return None
@@ -429,21 +429,24 @@ class SessionHolds:
             log_decision(HELD_ONCE, array, held.ref.path, seconds)
             self._refreshed.add(array, generation)
         elif self._refreshed.get(array) != generation:
-            rewritten = held.refresh(array)
+            started = time.perf_counter()
+            try:
+                rewritten = held.refresh(array)
+            except OSError as exc:
+                forget(array)  # part of it maps the unfinished file: never trusted again
+                self.refuse(array, generation, f"its new file could not be written: {exc.strerror or exc}")
+                return None
             if rewritten is None:
                 if not held.describes(array):
                     forget(array)  # its memory moved (ndarray.resize): a plain array again
-                self.refuse(
-                    array,
-                    generation,
-                    "its file cannot be brought up to date in place "
-                    "(a task still reads it, or a forked child still shares its pages)",
-                )
+                self.refuse(array, generation, "its memory moved, or its pages' flags cannot be read")
                 return None
-            self._stats.add(bytes_refreshed=rewritten)
+            if rewritten:
+                seconds = time.perf_counter() - started
+                self._stats.add(bytes_refreshed=rewritten, dump_seconds=seconds)
+                log_decision(HELD_ONCE, array, f"{held.ref.path} (changed since its last file)", seconds)
             self._refreshed.add(array, generation)
-        held.acquire()
-        return held
+        return held, held.acquire()
 
     def refuse(self, array: np.ndarray, generation: int, reason: str) -> None:
         """``array`` is dumped, not held once, in ``generation`` because of ``reason`` (logged once per generation)."""

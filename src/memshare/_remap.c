@@ -1,26 +1,105 @@
-/* The two memory operations of arrays held once that must not be split.
+/* The memory operation of arrays held once that must not lose a write.
  *
- * Holding an array once means writing a range of its memory into its shared
- * file and then mapping the file over that range (MAP_PRIVATE | MAP_FIXED),
- * or, for pages written since, writing them into the file again and
- * dropping their private copies (MADV_DONTNEED). A write into the range that
- * falls between the two steps would be lost. Each function below does both
- * steps in one call without releasing the GIL, so no Python code of any
- * thread (and no Python signal handler) can run in between. Written in C
- * because a pair of ctypes calls can be separated by a thread switch.
+ * Holding an array once means writing a range of its memory into a new shared
+ * file and then mapping the file over that range (MAP_PRIVATE | MAP_FIXED).
+ * A write into the range between the two steps, by any thread (a NumPy
+ * operation releases the GIL), would land in memory that the new mapping then
+ * replaces, and be lost. So the range is made read-only first: a thread that
+ * writes into it meanwhile takes a fault, and this module's SIGSEGV handler
+ * makes it wait until the file is mapped over the range; its write is then
+ * retried on the new, writable mapping. Every other fault goes to the handler
+ * that was there before, as if this module had never been loaded.
+ *
+ * Written in C because the handler must not run Python code, and the steps
+ * must not depend on the GIL: the GIL is released while the range is moved,
+ * and one mutex lets one range be guarded at a time.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
-static int write_all(int fd, const char *address, Py_ssize_t length, long long offset) {
-    Py_ssize_t done = 0;
+/* The range being moved now (or moved last), and whether it is read-only now. */
+static _Atomic uintptr_t guarded_start;
+static _Atomic uintptr_t guarded_end;
+static _Atomic int guarding;
+/* When the last move ended: a fault in its range delivered a little after the
+ * move (the faulting thread was descheduled in between) is retried, not passed on. */
+static _Atomic long long guard_ended_ns;
+#define LATE_FAULT_NS 2000000000LL
+/* The handler before ours: every fault outside a guarded range goes there. */
+static struct sigaction previous_action;
+static pthread_mutex_t moving = PTHREAD_MUTEX_INITIALIZER;
+
+static long long monotonic_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+static void on_fault(int signum, siginfo_t *info, void *context) {
+    (void)context;
+    int saved_errno = errno;
+    uintptr_t at = (uintptr_t)info->si_addr;
+    if (info->si_code > 0 && at >= atomic_load(&guarded_start) && at < atomic_load(&guarded_end)) {
+        while (atomic_load(&guarding))
+            sched_yield();
+        if (monotonic_ns() - atomic_load(&guard_ended_ns) < LATE_FAULT_NS) {
+            errno = saved_errno;
+            return; /* the write is retried, on the file's writable mapping */
+        }
+    }
+    /* Not ours: put the previous handler back and let the fault happen again
+     * under it (a signal sent by kill() or raise() is sent again instead). */
+    sigaction(signum, &previous_action, NULL);
+    if (info->si_code <= 0)
+        raise(signum);
+    errno = saved_errno;
+}
+
+/* In a child forked while a range was guarded (the GIL is released during a
+ * move, so another thread may fork): the child's copy of the range is still
+ * the read-only original, which no move will map over. Make it writable
+ * again and start unlocked. */
+static void after_fork_in_child(void) {
+    if (atomic_load(&guarding)) {
+        uintptr_t start = atomic_load(&guarded_start);
+        mprotect((void *)start, atomic_load(&guarded_end) - start, PROT_READ | PROT_WRITE);
+        atomic_store(&guarding, 0);
+    }
+    pthread_mutex_init(&moving, NULL);
+}
+
+/* Make on_fault the SIGSEGV handler unless it already is (another handler,
+ * faulthandler's say, may have been installed since); 0, or -1 with errno. */
+static int install_handler(void) {
+    struct sigaction current, ours;
+    if (sigaction(SIGSEGV, NULL, &current) != 0)
+        return -1;
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_fault)
+        return 0;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_fault;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    sigemptyset(&ours.sa_mask);
+    previous_action = current;
+    return sigaction(SIGSEGV, &ours, NULL);
+}
+
+static int write_all(int fd, const char *address, size_t length, off_t offset) {
+    size_t done = 0;
     while (done < length) {
-        ssize_t written = pwrite(fd, address + done, (size_t)(length - done), (off_t)(offset + done));
+        ssize_t written = pwrite(fd, address + done, length - done, offset + (off_t)done);
         if (written < 0 && errno == EINTR)
             continue;
         if (written <= 0) {
@@ -28,31 +107,49 @@ static int write_all(int fd, const char *address, Py_ssize_t length, long long o
                 errno = EIO;
             return -1;
         }
-        done += written;
+        done += (size_t)written;
     }
     return 0;
 }
 
-/* The second step, on the same whole pages: 0 on success, -1 with errno set. */
-typedef int (*second_step)(void *address, size_t length, int fd, off_t offset);
-
-static int remap_private(void *address, size_t length, int fd, off_t offset) {
-    void *mapped = mmap(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, offset);
-    return mapped == MAP_FAILED ? -1 : 0;
-}
-
-static int drop_private_copies(void *address, size_t length, int fd, off_t offset) {
-    (void)fd;
-    (void)offset;
-    return madvise(address, length, MADV_DONTNEED);
+/* Write [address, address + length) into fd at offset, then map it there; 0, or -1 with errno.
+ *
+ * On failure the range is writable again and still holds the array's values
+ * (the old mapping is replaced only by the successful mmap). */
+static int move_to_file(int fd, off_t offset, void *address, size_t length) {
+    int error = 0;
+    pthread_mutex_lock(&moving);
+    if (install_handler() != 0) {
+        error = errno;
+        goto unlock;
+    }
+    atomic_store(&guarded_start, (uintptr_t)address);
+    atomic_store(&guarded_end, (uintptr_t)address + length);
+    atomic_store(&guarding, 1);
+    if (mprotect(address, length, PROT_READ) != 0) {
+        error = errno;
+        goto unguard;
+    }
+    if (write_all(fd, (const char *)address, length, offset) != 0 ||
+        mmap(address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, offset) == MAP_FAILED) {
+        error = errno;
+        mprotect(address, length, PROT_READ | PROT_WRITE);
+    }
+unguard:
+    atomic_store(&guard_ended_ns, monotonic_ns());
+    atomic_store(&guarding, 0);
+unlock:
+    pthread_mutex_unlock(&moving);
+    errno = error;
+    return error ? -1 : 0;
 }
 
 /* Raise ValueError and return -1 when the arguments are not whole pages of an open file; else 0.
  *
- * Checked before anything is written: both steps work on whole pages (mmap
- * and madvise round a partial page up and would zero, or drop, the rest of
- * it), and a step that failed on an unaligned address after the write would
- * leave the file written for nothing. */
+ * Checked before anything is written: mmap works on whole pages (it would
+ * round a partial page up and replace the rest of it), and a step that failed
+ * on an unaligned address after the write would leave the file written for
+ * nothing. */
 static int check_arguments(int fd, long long offset, unsigned long long address, Py_ssize_t length) {
     long page = sysconf(_SC_PAGESIZE);
     if (page <= 0)
@@ -85,9 +182,16 @@ static int check_arguments(int fd, long long offset, unsigned long long address,
     return 0;
 }
 
-/* Parse (fd, file_offset, address, length), check them, write the memory into the file, then run ``then``. */
-static PyObject *write_then(PyObject *args, second_step then) {
-    int fd;
+PyDoc_STRVAR(copy_then_remap_doc,
+             "copy_then_remap(fd, file_offset, address, length)\n\n"
+             "Write the memory [address, address + length) into fd at file_offset, then map that\n"
+             "part of the file privately over the same memory. Threads that write into the range\n"
+             "meanwhile wait, and their writes land in the new mapping. address, file_offset and\n"
+             "length must be whole pages (ValueError before anything is touched otherwise).");
+
+static PyObject *copy_then_remap(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd, result;
     long long offset;
     unsigned long long address;
     Py_ssize_t length;
@@ -95,37 +199,42 @@ static PyObject *write_then(PyObject *args, second_step then) {
         return NULL;
     if (check_arguments(fd, offset, address, length) < 0)
         return NULL;
-    if (write_all(fd, (const char *)(uintptr_t)address, length, offset) < 0 ||
-        then((void *)(uintptr_t)address, (size_t)length, fd, (off_t)offset) != 0)
+    /* Without the GIL: a thread holding it may write into the range and wait
+     * in on_fault, which needs nothing from this thread but the move. */
+    Py_BEGIN_ALLOW_THREADS
+    result = move_to_file(fd, (off_t)offset, (void *)(uintptr_t)address, (size_t)length);
+    Py_END_ALLOW_THREADS
+    if (result != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(copy_then_remap_doc,
-             "copy_then_remap(fd, file_offset, address, length)\n\n"
-             "Write the memory [address, address + length) into fd at file_offset, then map that\n"
-             "part of the file privately over the same memory. address, file_offset and length must\n"
-             "be whole pages (ValueError before anything is touched otherwise).");
-
-static PyObject *copy_then_remap(PyObject *self, PyObject *args) { return write_then(args, remap_private); }
-
-PyDoc_STRVAR(rewrite_then_drop_doc,
-             "rewrite_then_drop(fd, file_offset, address, length)\n\n"
-             "Write the memory [address, address + length) into fd at file_offset, then drop the\n"
-             "private copies of those pages so that they read the file again. address, file_offset\n"
-             "and length must be whole pages (ValueError before anything is touched otherwise).");
-
-static PyObject *rewrite_then_drop(PyObject *self, PyObject *args) { return write_then(args, drop_private_copies); }
-
 static PyMethodDef methods[] = {
     {"copy_then_remap", copy_then_remap, METH_VARARGS, copy_then_remap_doc},
-    {"rewrite_then_drop", rewrite_then_drop, METH_VARARGS, rewrite_then_drop_doc},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "memshare._remap", "Memory operations of arrays held once that must not be split.",
-    -1, methods,
+/* No state of the interpreter: the guard is the process's, behind its mutex. */
+static PyModuleDef_Slot slots[] = {
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__remap(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "memshare._remap", "Moving memory of arrays held once into its file without losing a write.",
+    0, methods, slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__remap(void) {
+    static int registered;
+    if (!registered) {
+        if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0) {
+            PyErr_SetString(PyExc_ImportError, "memshare: cannot register the C helper's fork handler");
+            return NULL;
+        }
+        registered = 1;
+    }
+    return PyModuleDef_Init(&module);
+}

@@ -57,8 +57,8 @@ class _TaskRecord:
     # their file is deleted when the last view dies, and a worker may not
     # have mapped it yet.
     held: List[np.ndarray] = field(default_factory=list)
-    #: Arrays held once that the task reads: their files are not rewritten in place while it is pending.
-    held_once: List[_held_once.Held] = field(default_factory=list)
+    #: Files of arrays held once that the task reads: each lives at least until the task is done.
+    held_once: List[Tuple[_held_once.Held, _held_once.HeldFile]] = field(default_factory=list)
     #: memshare's own failure while carrying out a route (no room for a dump,
     #: say), as opposed to a failure to pickle the caller's arguments.
     error: Optional[BaseException] = None
@@ -320,11 +320,12 @@ class Session:
         """
         array, generation = route.source, self._dumps.generation
         if route.hold_once:
-            held = self._holds.hold(array, generation, self._worker_mode(), self.settings.temp_folder)
-            if held is not None:
-                record.held_once.append(held)
+            holding = self._holds.hold(array, generation, self._worker_mode(), self.settings.temp_folder)
+            if holding is not None:
+                record.held_once.append(holding)
                 record.held.append(array)
-                return held.reference(self._worker_mode())
+                held, file = holding
+                return held.reference(self._worker_mode(), file)
         elif route.not_held_once is not None:
             self._holds.refuse(array, generation, route.not_held_once)
         return self._dumps.dump(array, route.mode or self._worker_mode(), record.files)
@@ -336,8 +337,8 @@ class Session:
 
     def _release_record(self, record: _TaskRecord) -> None:
         self._dumps.release(record.files)
-        for held in record.held_once:
-            held.release()
+        for held, file in record.held_once:
+            held.release(file)
         record.held_once.clear()
 
     @property
