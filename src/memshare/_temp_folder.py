@@ -113,19 +113,19 @@ def leave_loky_semaphores_to_watchdog() -> None:
 def _hook_tracker(module) -> None:
     register, unregister = module.register, module.unregister
 
+    # No lock: loky unregisters from a semaphore's finalizer, which a garbage collection may
+    # run in a thread holding any lock. A set's add, membership and discard are atomic, and
+    # each name is unregistered once.
     def register_unless_watched(name, rtype):
         if rtype == "semlock" and name.startswith(f"/loky-{os.getpid()}-") and _state.watchdog.running():
-            with _state.lock:
-                _state.semaphores.add(name)
+            _state.semaphores.add(name)
             return
         register(name, rtype)
 
     def unregister_unless_watched(name, rtype):
-        if rtype == "semlock":
-            with _state.lock:
-                if name in _state.semaphores:
-                    _state.semaphores.discard(name)
-                    return
+        if rtype == "semlock" and name in _state.semaphores:
+            _state.semaphores.discard(name)
+            return
         unregister(name, rtype)
 
     module.register, module.unregister = register_unless_watched, unregister_unless_watched

@@ -246,10 +246,14 @@ class WatchdogClient:
         self._send(b"t", str(pid))
 
     def running(self) -> bool:
-        """True while this process's watchdog runs (started, if it was not, by a registration)."""
-        with self._lock:
-            process = self._current()
-            return process is not None and process.poll() is None
+        """True while this process's watchdog runs (started, if it was not, by a registration).
+
+        Without the lock: loky calls it as it makes a semaphore, and a
+        collection there may run a finalizer that sends a message (see
+        ``_temp_folder``), which takes the lock.
+        """
+        process = self._current()
+        return process is not None and process.poll() is None
 
     def start(self) -> bool:
         """Start the watchdog if it is not running; True when it runs."""
