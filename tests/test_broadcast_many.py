@@ -86,3 +86,17 @@ def test_copies_of_dropped_broadcasts_go_however_many_were_dropped():
 
 def _size_or_value(shared):
     return len(shared.value) if isinstance(shared.value, str) else shared.value
+
+
+def test_a_drop_recorded_inside_another_is_not_lost():
+    """Drops are recorded by finalizers, which a garbage collection may run inside another drop's recording."""
+    log = _broadcast._DropLog()
+    first, second = "aa" * 16, "bb" * 16
+    log._lock.acquire()  # as if this thread were recording a drop when the collection ran
+    try:
+        log.add(first)  # must neither wait for itself nor be lost
+        assert _broadcast.read_drops(log.array, 0) == (0, [])
+    finally:
+        log._lock.release()
+    log.add(second)
+    assert _broadcast.read_drops(log.array, 0) == (2, [first, second])

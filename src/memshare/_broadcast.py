@@ -21,12 +21,13 @@ worker) does not take the parent's own object for a broadcast it inherited.
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import secrets
 import struct
 import weakref
-from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Deque, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -152,6 +153,7 @@ class _DropLog:
     def __init__(self) -> None:
         self.array = new_shared_array((_DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES,), np.dtype(np.uint8), "C")
         self._lock = _forksafe.lock()
+        self._pending: Deque[str] = collections.deque()
         self._pid = os.getpid()
         # Sent as plain values, not as the array: a shared array would cost each task a route and a
         # mapping per broadcast it names, and a worker needs to map the log only once.
@@ -160,13 +162,26 @@ class _DropLog:
         self.address: LogAddress = (ref.path, ref.device, ref.inode, int(self.array.nbytes))
 
     def add(self, token: str) -> None:
+        """Record a drop. Called by a finalizer: a collection may run it inside another ``add``, in the same thread."""
         if os.getpid() != self._pid:
             return  # a forked child's inherited finalizer: the parent still holds the broadcast
-        with self._lock:
-            (count,) = _DROP_COUNT.unpack_from(self.array, 0)
-            slot = _DROP_COUNT.size + (count % DROP_SLOTS) * _TOKEN_BYTES
-            self.array[slot : slot + _TOKEN_BYTES] = np.frombuffer(bytes.fromhex(token), np.uint8)
-            _DROP_COUNT.pack_into(self.array, 0, count + 1)
+        self._pending.append(token)
+        # Whoever holds the lock writes what is pending, this token included (it was
+        # queued before the lock was tried); the holder looks again after releasing it.
+        while self._pending:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                while self._pending:
+                    self._write(self._pending.popleft())
+            finally:
+                self._lock.release()
+
+    def _write(self, token: str) -> None:
+        (count,) = _DROP_COUNT.unpack_from(self.array, 0)
+        slot = _DROP_COUNT.size + (count % DROP_SLOTS) * _TOKEN_BYTES
+        self.array[slot : slot + _TOKEN_BYTES] = np.frombuffer(bytes.fromhex(token), np.uint8)
+        _DROP_COUNT.pack_into(self.array, 0, count + 1)  # after the slot: readers trust slots below the count
 
 
 def _map_log(address: Any) -> Optional[np.ndarray]:
