@@ -115,8 +115,8 @@ def broadcast(obj: T) -> Broadcast[T]:
 
 
 def _mapping_of(data: np.ndarray) -> np.ndarray:
-    """The mapping under a shared array: its file is deleted when this object is collected."""
-    while isinstance(data.base, np.ndarray):
+    """The mapping under a shared array (``_shared_store``'s): its file is deleted when this object is collected."""
+    while not (isinstance(data, np.memmap) and getattr(data, "filename", None)) and isinstance(data.base, np.ndarray):
         data = data.base
     return data
 
@@ -156,10 +156,16 @@ class _DropLog:
         self._pending: Deque[str] = collections.deque()
         self._pid = os.getpid()
         # Sent as plain values, not as the array: a shared array would cost each task a route and a
-        # mapping per broadcast it names, and a worker needs to map the log only once.
-        ref = find_backing(self.array)
-        assert ref is not None, "a shared array is a file"
-        self.address: LogAddress = (ref.path, ref.device, ref.inode, int(self.array.nbytes))
+        # mapping per broadcast it names, and a worker needs to map the log only once. None when
+        # unknown: workers then check each copy's file before every task, as without a log.
+        self.address: Optional[LogAddress] = None
+        path = getattr(_mapping_of(self.array), "filename", None)
+        try:
+            info = os.stat(path) if path else None
+        except OSError:
+            info = None
+        if info is not None:
+            self.address = (path, info.st_dev, info.st_ino, int(self.array.nbytes))
 
     def add(self, token: str) -> None:
         """Record a drop. Called by a finalizer: a collection may run it inside another ``add``, in the same thread."""
