@@ -182,3 +182,24 @@ def test_arrow_data_over_writable_memory_is_sent_as_it_was_at_submission(mechani
             finally:
                 open(go, "w").close()
             assert first.get(60) == 0.0
+
+
+def first_value(x):
+    return float(x[0])
+
+
+@pytest.mark.parametrize("front", ["Parallel", "MemmappingPool"])
+@pytest.mark.parametrize("mode", ["r", "c"])
+def test_a_memmap_whose_file_was_replaced_sends_its_own_values(tmp_path, front, mode):
+    # The memmap still maps the old file; the path names a new one (os.replace of a new version).
+    path = tmp_path / "data.bin"
+    np.full(200_000, 1.0).tofile(path)
+    mapped = np.memmap(path, dtype=np.float64, mode="r")
+    np.full(200_000, 2.0).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", path)
+    if front == "Parallel":
+        seen = Parallel(n_jobs=2, max_nbytes="1K", mmap_mode=mode)(delayed(first_value)(mapped) for _ in range(2))
+    else:
+        with MemmappingPool(2, max_nbytes="1K", mmap_mode=mode) as pool:
+            seen = pool.map(first_value, [mapped, mapped])
+    assert seen == [float(mapped[0])] * 2 == [1.0, 1.0]

@@ -201,6 +201,8 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
     if top is not None:
         # The file offset of top's first byte, moved to root's: offsets below count from root.
         path, root_offset = top.filename, int(top.offset) - (data_address(top) - data_address(root))
+        if not _still_maps(root, path):
+            return None
         mode = _mapping_mode(top.mode)
         nearest = _nearest_memmap(array)
         memmap_offset = int(nearest.offset)
@@ -236,6 +238,23 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
         memmap_offset=memmap_offset,
         memmap_mode=memmap_mode,
     )
+
+
+def _still_maps(root: np.ndarray, path: Optional[str]) -> bool:
+    """True when the file now at a memmap's ``path`` is the one its memory maps.
+
+    A file replaced since it was mapped (``os.replace`` of a new version,
+    say) leaves the memmap on the old file, which ``/proc/self/maps`` then
+    lists as deleted or under another name: a reference to ``path`` would
+    give workers the new file's bytes. Where ``/proc`` cannot tell (not
+    Linux), the memmap's own path is trusted, as before.
+    """
+    if path is None:
+        return False
+    if kind_of_path(path) != USER or not sys.platform.startswith("linux") or not os.path.exists("/proc/self/maps"):
+        return True  # memshare's own files (memfds among them) are never replaced under a mapping
+    located = _locate_mapping(*_byte_span(root))
+    return located is not None and located[0] == os.path.realpath(path)
 
 
 def _mapping_mode(memmap_mode: str) -> str:
