@@ -13,6 +13,8 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
+import time
 import zlib
 
 import joblib
@@ -325,3 +327,119 @@ def _run_calls(x: np.ndarray, calls, size: int) -> None:
         assert np.array_equal(x, shadow), (
             f"call {step} ({call}) changed the parent's array: {int((x != shadow).sum())} elements"
         )
+
+
+# -- the property with tasks still pending ----------------------------------------
+
+_step = st.one_of(
+    st.just(("submit",)),
+    st.tuples(st.just("write"), st.sampled_from(_REGIONS[1:])),
+    st.just(("finish",)),  # the oldest pending task may end
+)
+
+
+def checksum_when(a: np.ndarray, go: str, started: str) -> int:
+    """``checksum(a)`` once the file ``go`` exists: a task that stays pending while the parent goes on."""
+    open(started, "w").close()
+    deadline = 60.0
+    while not os.path.exists(go) and deadline > 0:
+        deadline -= 0.01
+        time.sleep(0.01)
+    return checksum(a)
+
+
+class _Pending:
+    """Tasks submitted and not finished yet, oldest first, each with the checksum it must return."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.tasks = []
+        self.count = 0
+
+    def files(self):
+        self.count += 1
+        return str(self.folder / f"go-{self.count}"), str(self.folder / f"started-{self.count}")
+
+    def finish_oldest(self) -> None:
+        go, result, expected = self.tasks.pop(0)
+        open(go, "w").close()
+        assert result() == expected, "a task read values other than those of its submission"
+
+    def finish_all(self) -> None:
+        while self.tasks:
+            self.finish_oldest()
+
+
+def _interleave(x: np.ndarray, steps, submit, pending: _Pending) -> None:
+    shadow = x.copy()
+    try:
+        for number, step in enumerate(steps):
+            if step[0] == "write":
+                _parent_write(x, step[1], float(number + 1))
+                _parent_write(shadow, step[1], float(number + 1))
+            elif step[0] == "finish" and pending.tasks:
+                pending.finish_oldest()
+            elif step[0] == "submit":
+                submit(checksum(shadow))
+        pending.finish_all()
+    finally:
+        for go, *_ in pending.tasks:
+            open(go, "w").close()
+    assert np.array_equal(x, shadow), "the parent's array lost a write"
+
+
+_PENDING_SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@settings(max_examples=12, **_PENDING_SETTINGS)
+@given(
+    steps=st.lists(_step, min_size=3, max_size=8),
+    mode=st.sampled_from(("r", "c")),
+    promote=st.booleans(),
+)
+def test_pool_tasks_see_their_submissions_values_while_earlier_ones_are_pending(tmp_path_factory, steps, mode, promote):
+    """Any interleaving of apply_async, parent writes and finished tasks: each task reads its submission's values."""
+    x = fresh()
+    pending = _Pending(tmp_path_factory.mktemp("pool"))
+    with MemmappingPool(3, mmap_mode=mode, promote=promote) as pool:
+
+        def submit(expected: int) -> None:
+            go, started = pending.files()
+            result = pool.apply_async(checksum_when, (x, go, started))
+            pending.tasks.append((go, lambda: result.get(60), expected))
+
+        _interleave(x, steps, submit, pending)
+
+
+@settings(max_examples=8, **_PENDING_SETTINGS)
+@given(steps=st.lists(_step, min_size=3, max_size=7), mode=st.sampled_from(("r", "c")), promote=st.booleans())
+def test_parallel_calls_see_their_values_while_earlier_calls_tasks_are_pending(tmp_path_factory, steps, mode, promote):
+    """The same for calls of ``memshare.Parallel`` in threads, at most two pending (two workers)."""
+    x = fresh()
+    pending = _Pending(tmp_path_factory.mktemp("calls"))
+
+    def submit(expected: int) -> None:
+        if len(pending.tasks) == 2:
+            pending.finish_oldest()
+        go, started = pending.files()
+        results = {}
+
+        def call() -> None:
+            with joblib.parallel_config(backend="memshare", promote=promote):
+                results["value"] = memshare.Parallel(n_jobs=2, mmap_mode=mode, max_nbytes="1M")(
+                    delayed(checksum_when)(x, go, started) for _ in range(1)
+                )[0]
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        deadline = time.monotonic() + 60  # packed once its task runs: only then is the snapshot taken
+        while not os.path.exists(started) and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pending.tasks.append((go, lambda: (thread.join(60), results.get("value"))[1], expected))
+
+    _interleave(x, steps, submit, pending)
