@@ -111,6 +111,7 @@ def leave_loky_semaphores_to_watchdog() -> None:
 
 
 def _hook_tracker(module) -> None:
+    """Wrap loky's ``register``/``unregister`` (called by its semaphores by module attribute) as said above."""
     register, unregister = module.register, module.unregister
 
     # No lock: loky unregisters from a semaphore's finalizer, which a garbage collection may
