@@ -280,25 +280,31 @@ def run_with_private_mounts(
     )
 
 
+#: The start of ``_held_memory.mmapped_chunk``'s answers for an array glibc took from its heap, which another
+#: array of the same size may not be: tests that need an array held once keep such arrays aside and try again.
+HEAP_SERVED = ("not a malloc chunk of its own mapping", "its memory is not a private anonymous mapping")
+
+
 def array_fit_to_hold(nbytes: int, seed: int = 0):
     """A new ordinary float64 array of about ``nbytes`` that memshare can hold once, in this process as it is now.
 
     Whether an array can be held once also depends on where glibc put it (a mapping of its own, not heap memory
-    freed by earlier tests); arrays that do not qualify are kept aside while another is made, at most 6 and none
-    past the call, so that a failing run holds no gigabytes. Fails with the reason when none qualifies (at once for
-    a reason other than the heap), so that a test depending on holding once says why it could not.
+    freed by earlier tests); arrays that do not qualify are kept aside while another is made, at most 1 GiB of them
+    and none past the call, so that a failing run holds no gigabytes. Fails with the reason when none qualifies (at
+    once for a reason other than where glibc put the array), so that a test depending on holding once says why.
     """
-    from memshare import _held_once
+    from memshare import _held_memory, _held_once
 
     kept_aside, reason = [], None
     try:
-        for _ in range(7):
+        for _ in range(1024**3 // max(nbytes, 1) + 1):
             array = np.random.default_rng(seed).random(nbytes // 8)
             reason = _held_once.unfit_reason(array, "r", None)
             if reason is None:
                 return array
-            if "from the heap" not in reason:
-                break
+            placement = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
+            if placement is None or not placement.startswith(HEAP_SERVED):
+                break  # not where glibc put it: another array would fail alike
             kept_aside.append(array)
         del array
     finally:

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import psutil
 import pytest
-from conftest import total, wait_until
+from conftest import HEAP_SERVED, total, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, _held_memory, _held_once, _memfd, delayed
@@ -27,8 +27,8 @@ pytestmark = [
 ]
 
 MIB = 1024**2
-#: How many heap-served arrays big() keeps aside while it asks for another (the memory a failing call may hold).
-KEPT_ASIDE = 6
+#: How much big() keeps aside, in heap-served arrays, while it asks for another: what a failing call may hold.
+KEPT_ASIDE_BYTES = 1024 * MIB
 
 
 def big(mib=48, seed=0):
@@ -37,17 +37,17 @@ def big(mib=48, seed=0):
     glibc maps a large allocation on its own unless freed heap memory (left
     by earlier tests of this process) can take it; such an array is rightly
     dumped instead, so it is kept aside while another is allocated. At most
-    :data:`KEPT_ASIDE` are, and none outlives the call: a failing run must
-    not hold gigabytes (another reason than the heap fails at once).
+    :data:`KEPT_ASIDE_BYTES` are, and none outlives the call: a failing run
+    must not hold gigabytes (another reason than the heap fails at once).
     """
     heap_served, reason = [], None
     try:
-        for _ in range(KEPT_ASIDE + 1):
+        for _ in range(KEPT_ASIDE_BYTES // (mib * MIB) + 1):
             array = np.random.default_rng(seed).random(mib * MIB // 8)
             reason = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
             if reason is None:
                 return array
-            if "from the heap" not in reason:
+            if not reason.startswith(HEAP_SERVED):
                 break
             heap_served.append(array)
         del array
