@@ -33,10 +33,19 @@
 static _Atomic uintptr_t guarded_start;
 static _Atomic uintptr_t guarded_end;
 static _Atomic int guarding;
-/* When the last move ended: a fault in its range delivered a little after the
- * move (the faulting thread was descheduled in between) is retried, not passed on. */
-static _Atomic long long guard_ended_ns;
+/* The ranges moved lately, with when each move ended. A thread that faulted
+ * during a move may run its handler only after that move ended, and another
+ * began on the next piece: a fault in a range moved less than LATE_FAULT_NS
+ * ago is retried, not passed on. A real fault there is passed on once that
+ * time is up. */
+#define RECENT_MOVES 1024
 #define LATE_FAULT_NS 2000000000LL
+static struct {
+    _Atomic uintptr_t start;
+    _Atomic uintptr_t end;
+    _Atomic long long ended_ns;
+} recent[RECENT_MOVES];
+static unsigned next_recent; /* under the mutex */
 /* The handler before ours: every fault outside a guarded range goes there. */
 static struct sigaction previous_action;
 static pthread_mutex_t moving = PTHREAD_MUTEX_INITIALIZER;
@@ -47,14 +56,26 @@ static long long monotonic_ns(void) {
     return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
+static int moved_lately(uintptr_t at) {
+    long long now = monotonic_ns();
+    for (unsigned i = 0; i < RECENT_MOVES; i++) {
+        if (at >= atomic_load(&recent[i].start) && at < atomic_load(&recent[i].end) &&
+            now - atomic_load(&recent[i].ended_ns) < LATE_FAULT_NS)
+            return 1;
+    }
+    return 0;
+}
+
 static void on_fault(int signum, siginfo_t *info, void *context) {
     (void)context;
     int saved_errno = errno;
     uintptr_t at = (uintptr_t)info->si_addr;
-    if (info->si_code > 0 && at >= atomic_load(&guarded_start) && at < atomic_load(&guarded_end)) {
-        while (atomic_load(&guarding))
-            sched_yield();
-        if (monotonic_ns() - atomic_load(&guard_ended_ns) < LATE_FAULT_NS) {
+    if (info->si_code > 0) {
+        if (at >= atomic_load(&guarded_start) && at < atomic_load(&guarded_end)) {
+            while (atomic_load(&guarding))
+                sched_yield();
+        }
+        if (moved_lately(at)) {
             errno = saved_errno;
             return; /* the write is retried, on the file's writable mapping */
         }
@@ -136,7 +157,11 @@ static int move_to_file(int fd, off_t offset, void *address, size_t length) {
         mprotect(address, length, PROT_READ | PROT_WRITE);
     }
 unguard:
-    atomic_store(&guard_ended_ns, monotonic_ns());
+    /* Recorded before the guard drops, so that a waiting handler finds it. */
+    atomic_store(&recent[next_recent].start, (uintptr_t)address);
+    atomic_store(&recent[next_recent].end, (uintptr_t)address + length);
+    atomic_store(&recent[next_recent].ended_ns, monotonic_ns());
+    next_recent = (next_recent + 1) % RECENT_MOVES;
     atomic_store(&guarding, 0);
 unlock:
     pthread_mutex_unlock(&moving);
