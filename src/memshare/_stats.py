@@ -52,7 +52,7 @@ class CallStats:
     fallback_files: int = 0  # arrays and results written to the disk fallback
     arrays_held_once: int = 0  # arrays held once: their memory is now their shared file
     bytes_held_once: int = 0
-    bytes_refreshed: int = 0  # bytes of arrays held once written again because the parent changed them
+    bytes_refreshed: int = 0  # bytes of arrays held once moved to a new file because the parent changed them
     results_pickled_no_room: int = 0  # results sent by value because no file had room
     buffers_dumped: int = 0  # out-of-band buffers of arguments written to shared memory (pyarrow's...)
     bytes_buffers_dumped: int = 0
@@ -171,8 +171,8 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     full), ``results_pickled_no_room`` (results sent back by value because
     no file had room), ``arrays_held_once`` and ``bytes_held_once`` (arrays
     whose memory became their shared file in this call, see README's "Arrays
-    held once"), ``bytes_refreshed`` (bytes of arrays held once written to
-    their file again because the parent changed them), ``buffers_dumped``
+    held once"), ``bytes_refreshed`` (bytes of arrays held once moved to a
+    new file because the parent changed them), ``buffers_dumped``
     and ``bytes_buffers_dumped`` (out-of-band buffers of arguments, such as
     pyarrow's behind Arrow-backed pandas columns, written once to shared
     memory), ``buffers_reused`` and ``bytes_buffers_reused`` (such buffers
