@@ -37,6 +37,9 @@ setup(
             "pandas>=1.5",
             "pyarrow>=10.0.1",
             "polars>=1.36",
+            # A CPU build only where these machines have one on disk (the main environment); elsewhere pip
+            # would download a CUDA build of several GB, and the torch tests skip, saying why.
+            'torch==2.13.0; python_version == "3.11" and platform_machine == "x86_64"',
             "matplotlib>=3.5",
             "scipy>=1.9",
             "dask[distributed]>=2023.1",

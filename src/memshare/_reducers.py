@@ -41,6 +41,7 @@ pickle out of band.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import marshal
 import pickle
@@ -59,6 +60,10 @@ from ._polars import classes as polars_classes
 from ._polars import reduction as polars_reduction
 from ._protocol import ResultSpec, Slot
 from ._refs import ArrayRef
+from ._torch import argument_array as torch_argument_array
+from ._torch import reduction as torch_reduction
+from ._torch import result_array as torch_result_array
+from ._torch import tensor_class
 from ._view_reader import ViewReader
 
 #: Bytes of a payload: ``bytes``, or a view of a mapped file.
@@ -99,6 +104,9 @@ class _Pickler(cloudpickle.Pickler):
         # Looked up once per pickling pass, not once per object: reducer_override runs for every object.
         self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
         self._polars = polars_classes() if buffer_callback is not None else ()  # through Arrow: see _polars
+        self._tensor = tensor_class() if buffer_callback is not None else None  # as arrays: see _torch
+        # id -> array, of the arrays argument tensors travel as in this pass: mapped copy-on-write.
+        self._tensor_arrays: Dict[int, np.ndarray] = {}
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
@@ -106,6 +114,8 @@ class _Pickler(cloudpickle.Pickler):
         if type(obj) is np.ndarray or type(obj) is np.memmap:
             reduced = self._reduce_array(obj)
             if reduced is not None:
+                if self._tensor_arrays and self._tensor_arrays.get(id(obj)) is obj:
+                    return _copy_on_write(reduced)
                 return reduced
             if type(obj) is np.memmap:
                 # A memmap that is not shared as a file must not be rebuilt as
@@ -127,7 +137,26 @@ class _Pickler(cloudpickle.Pickler):
             polars = polars_reduction(obj)
             if polars is not None:
                 return polars
+        if type(obj) is self._tensor:
+            array = self._tensor_array(obj)
+            if array is not None:
+                return torch_reduction(array, tuple(obj.stride()))
         return super().reducer_override(obj)
+
+    def _tensor_array(self, tensor: Any) -> Optional[np.ndarray]:
+        """The array an argument tensor travels as (mapped copy-on-write), or None: torch pickles it."""
+        array = torch_argument_array(tensor)
+        if array is not None:
+            self._tensor_arrays[id(array)] = array
+        return array
+
+
+def _copy_on_write(reduced: Reduction) -> Reduction:
+    """A tensor's reference mapped copy-on-write where the call maps read-only: torch cannot take read-only memory."""
+    rebuild, args = reduced
+    if rebuild is _rebuild_input and len(args) == 1 and isinstance(args[0], ArrayRef) and args[0].mode == "r":
+        return rebuild, (dataclasses.replace(args[0], mode="c"),)
+    return reduced
 
 
 def _code_reduction(code: types.CodeType) -> Any:
@@ -212,6 +241,10 @@ class _SlotPickler(_Pickler):
         if type(obj) is np.ndarray or type(obj) is np.memmap:
             return self._slot_of(obj)
         return None
+
+    def _tensor_array(self, tensor: Any) -> Optional[np.ndarray]:
+        """The array a result tensor travels as (its slot decides where it ends up), or None: torch pickles it."""
+        return torch_result_array(tensor)
 
 
 class _ObjectPickler(_Pickler):

@@ -94,7 +94,15 @@ def _mib(nbytes: float) -> str:
 
 
 def describe(array: np.ndarray) -> str:
-    return f"array shape={tuple(array.shape)} dtype={array.dtype} size={_mib(array.nbytes)}"
+    return f"{_kind_of(array)} shape={tuple(array.shape)} dtype={array.dtype} size={_mib(array.nbytes)}"
+
+
+def _kind_of(array: np.ndarray) -> str:
+    """What ``array`` stands for in the log: an array, or a torch tensor or its storage (see ``_torch``)."""
+    owner = array.base.base if isinstance(array.base, np.ndarray) else array.base
+    if type(owner).__module__ != "torch":
+        return "array"
+    return "tensor storage" if owner is array.base else "tensor"
 
 
 def describe_buffer(nbytes: int, exporter: object) -> str:

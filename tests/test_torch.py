@@ -1,0 +1,263 @@
+"""CPU torch tensors travel as the NumPy arrays they share memory with: written once, mapped copy-on-write.
+
+A task gets a ``torch.Tensor`` of the sender's dtype, shape, strides and
+values; its writes reach neither the parent's tensor nor another task's.
+Large tensor results come back through result files. Tensors that torch
+pickles with state of their own (grad, sparse, bfloat16, subclasses,
+conjugate bits) are pickled by torch, as before. memshare never imports torch.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import zlib
+
+import numpy as np
+import pytest
+from conftest import mappings_of, memfds_held, memshare_entries
+
+import memshare
+from memshare import MemmappingPool, Parallel, delayed
+
+torch = pytest.importorskip(
+    "torch",
+    reason="torch tensors are tested only where torch is installed (pip install torch==2.13.0, a CPU build "
+    "on the main environment's Python 3.11 x86_64; elsewhere pip would download a CUDA build of several GB)",
+)
+
+LIMIT = "1M"
+TRANSPORTS = ["Parallel", "MemmappingPool"]
+TASKS = 8
+
+
+def big_tensor(rows: int = 4096, columns: int = 4096, seed: int = 0):
+    """A 64 MiB float32 tensor (4096 x 4096) of random values."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(rows, columns, generator=generator)
+
+
+def checksum(tensor) -> int:
+    """crc32 of the tensor's values in C order (any layout)."""
+    return zlib.crc32(memoryview(tensor.contiguous().numpy()).cast("B"))
+
+
+def geometry(tensor) -> tuple:
+    return type(tensor).__name__, str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def look_then_write(tensor, index: int) -> tuple:
+    """What the task sees before writing, then a write into its own tensor (which must not crash)."""
+    seen = geometry(tensor), checksum(tensor)
+    tensor[index] = -1.0 - index
+    return seen + (float(tensor[index].flatten()[0]),)
+
+
+def run(transport: str, func, items, max_nbytes=LIMIT) -> list:
+    if transport == "Parallel":
+        return Parallel(n_jobs=2, max_nbytes=max_nbytes, batch_size=1)(delayed(func)(*item) for item in items)
+    with MemmappingPool(2, max_nbytes=max_nbytes) as pool:
+        return pool.starmap(func, items, chunksize=1)
+
+
+def written_once(stats) -> bool:
+    """The tensor's memory was written to shared memory once (dumped or held once), not pickled as an object."""
+    return stats["arrays_dumped"] + stats["arrays_held_once"] == 1 and stats["objects_dumped"] == 0
+
+
+def leaks(shm_dir) -> list:
+    return memshare_entries(shm_dir) + memfds_held()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_large_tensor_reaches_eight_tasks_written_once_and_their_writes_stay_theirs(transport):
+    X = big_tensor()
+    before = checksum(X)
+    seen = run(transport, look_then_write, [(X, i) for i in range(TASKS)])
+    assert written_once(memshare.last_call_stats()), memshare.last_call_stats()
+    for i, (got, crc, after_write) in enumerate(seen):
+        # Every task saw the parent's values: no earlier task's write (two workers run four tasks each).
+        assert got == geometry(X) and crc == before, i
+        assert after_write == -1.0 - i
+    assert checksum(X) == before  # no task's write reached the parent
+    del X, seen
+    gc.collect()
+    assert memfds_held() == []
+
+
+VIEWS = {
+    "transpose": lambda X: X.T,
+    "every other column": lambda X: X[:, ::2],
+    "a quarter of the rows": lambda X: X[::4],
+    "offset": lambda X: X[1:, 3:],
+}
+
+
+def see(tensor) -> tuple:
+    return geometry(tensor), checksum(tensor)
+
+
+@pytest.mark.parametrize("make", list(VIEWS.values()), ids=list(VIEWS))
+def test_a_view_keeps_its_strides_and_values(shm_dir, make):
+    X = big_tensor()
+    view = make(X)
+    seen = run("Parallel", see, [(view,)] * 3)
+    assert seen == [(geometry(view), checksum(view))] * 3
+    stats = memshare.last_call_stats()
+    assert stats["arrays_dumped"] == 1 and stats["objects_dumped"] == 0, stats
+    del X, view
+    assert leaks(shm_dir) == []
+
+
+def test_a_tensor_from_numpy_travels_written_once_and_stays_the_parents(shm_dir):
+    array = np.random.default_rng(0).random((2048, 2048))  # 32 MiB
+    tensor = torch.from_numpy(array)
+    expected = array.copy()
+    seen = run("Parallel", look_then_write, [(tensor, i) for i in range(4)])
+    assert written_once(memshare.last_call_stats()), memshare.last_call_stats()
+    assert [s[:2] for s in seen] == [(geometry(tensor), checksum(tensor))] * 4
+    np.testing.assert_array_equal(array, expected)
+    del tensor, array
+    assert leaks(shm_dir) == []
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint8", "bool", "float16", "float64", "complex64", "uint16"])
+def test_each_dtype_numpy_has_comes_back_alike(shm_dir, dtype):
+    dtype = getattr(torch, dtype)
+    tensor = (torch.arange(2 * 1024**2) % 7).to(dtype)
+    seen = run("Parallel", see, [(tensor,)] * 2)
+    assert seen == [(geometry(tensor), checksum(tensor))] * 2
+    assert memshare.last_call_stats()["arrays_dumped"] == 1
+    assert leaks(shm_dir) == []
+
+
+def filled(value: float):
+    return torch.full((1024, 1024), float(value))  # 4 MiB
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_large_tensor_results_come_back_as_tensors_through_shared_memory(shm_dir, transport):
+    results = run(transport, filled, [(i,) for i in range(TASKS)])
+    assert [geometry(r) for r in results] == [geometry(filled(0))] * TASKS
+    assert [float(r[5, 5]) for r in results] == [float(i) for i in range(TASKS)]
+    stats = memshare.last_call_stats()
+    assert stats["results_by_reference"] == TASKS, stats
+    paths = [path for path, _ in mappings_of([r.data_ptr() for r in results])]
+    assert all("result-" in path for path in paths), paths
+    results[0][0, 0] = 42.0  # the parent's own writable memory
+    assert float(results[0][0, 0]) == 42.0
+    del results
+    gc.collect()
+    assert leaks(shm_dir) == []
+
+
+def summary(tensor) -> tuple:
+    """Kind, dtype, shape, grad, layout, conjugate bit and values of any tensor, as torch's pickle keeps them."""
+    dense = tensor.detach().to_dense() if tensor.layout != torch.strided else tensor.detach()
+    dense = dense.resolve_conj()
+    values = torch.view_as_real(dense) if dense.is_complex() else dense
+    crc = zlib.crc32(values.to(torch.float64).contiguous().numpy().tobytes())
+    return (type(tensor).__name__, str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad, str(tensor.layout),
+            tensor.is_conj(), crc)  # fmt: skip
+
+
+def grad_tensor():
+    return big_tensor(1024, 1024).requires_grad_()
+
+
+def with_attribute():
+    tensor = big_tensor(1024, 1024)
+    tensor.note = "kept"
+    return tensor
+
+
+PICKLED_BY_TORCH = {
+    "requires grad": grad_tensor,
+    "bfloat16": lambda: big_tensor(1024, 1024).to(torch.bfloat16),
+    "conjugate bit": lambda: torch.complex(big_tensor(512, 1024), big_tensor(512, 1024, 1)).conj(),
+    "attribute": with_attribute,
+}
+#: Pickled by torch as objects made of plain tensors, which then travel as arrays.
+MADE_OF_TENSORS = {
+    "sparse": lambda: big_tensor(1024, 1024).relu().to_sparse(),
+    "nn.Parameter": lambda: torch.nn.Parameter(big_tensor(1024, 1024), requires_grad=False),
+}
+
+
+def both_ways(make) -> tuple:
+    """A tensor sent to two tasks and made by two tasks: the figures of each call; the tensors must survive."""
+    tensor = make()
+    seen = run("Parallel", summary, [(tensor,)] * 2)
+    assert seen == [summary(tensor)] * 2
+    sent = memshare.last_call_stats()
+    back = Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(make)() for _ in range(2))
+    assert [summary(t) for t in back] == [summary(tensor)] * 2
+    assert getattr(back[0], "note", "kept") == "kept"
+    return sent, memshare.last_call_stats()
+
+
+@pytest.mark.parametrize("make", list(PICKLED_BY_TORCH.values()), ids=list(PICKLED_BY_TORCH))
+def test_tensors_with_state_of_their_own_are_pickled_by_torch(shm_dir, make):
+    sent, returned = both_ways(make)
+    assert sent["arrays_dumped"] == sent["arrays_held_once"] == 0, sent
+    assert returned["results_by_reference"] == 0, returned
+    assert leaks(shm_dir) == []
+
+
+@pytest.mark.parametrize("make", list(MADE_OF_TENSORS.values()), ids=list(MADE_OF_TENSORS))
+def test_sparse_tensors_and_parameters_keep_their_kind_and_their_plain_tensors_travel_as_arrays(shm_dir, make):
+    sent, returned = both_ways(make)
+    assert sent["arrays_dumped"] >= 1 and sent["objects_dumped"] == 0, sent
+    assert returned["results_by_reference"] >= 2, returned
+    assert leaks(shm_dir) == []
+
+
+def test_small_tensors_are_pickled_by_torch(shm_dir):
+    tensor = torch.arange(1000.0)
+    assert run("Parallel", see, [(tensor,)] * 2) == [see(tensor)] * 2
+    assert memshare.last_call_stats()["arrays_dumped"] == 0
+
+
+def test_a_tensor_changed_between_calls_is_sent_as_it_is_now(shm_dir):
+    X = big_tensor(2048, 2048)
+    with Parallel(n_jobs=2, max_nbytes=LIMIT) as parallel:
+        first = parallel(delayed(checksum)(X) for _ in range(2))
+        X[7, 7] = 12345.0
+        second = parallel(delayed(checksum)(X) for _ in range(2))
+    assert first != second and second == [checksum(X)] * 2
+    del X
+    assert leaks(shm_dir) == []
+
+
+def test_the_decision_log_names_the_tensor_once(shm_dir, caplog):
+    X = big_tensor(2048, 2048)
+    with caplog.at_level("DEBUG", logger="memshare"):
+        run("Parallel", checksum, [(X,)] * 4)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("dumped", "held once"))]
+    assert len(lines) == 1 and "tensor" in lines[0], lines
+
+
+def fail_with(tensor):
+    raise ValueError(f"task failed with {tensor.shape[0]} rows")
+
+
+def test_nothing_is_left_after_a_task_error(shm_dir):
+    X = big_tensor(2048, 2048)
+    with pytest.raises(ValueError, match="task failed"):
+        run("Parallel", fail_with, [(X,)] * 4)
+    del X
+    gc.collect()
+    assert leaks(shm_dir) == []
+
+
+def die_with(tensor):
+    os.kill(os.getpid(), 9)
+
+
+def test_nothing_is_left_after_a_worker_is_killed(shm_dir):
+    X = big_tensor(2048, 2048)
+    with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
+        run("Parallel", die_with, [(X,)] * 2)
+    del X
+    gc.collect()
+    assert leaks(shm_dir) == []
