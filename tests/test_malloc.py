@@ -155,16 +155,27 @@ def test_memory_that_is_not_private_anonymous_is_refused():
 
 
 def _maps_naming(start, end, name):
-    """/proc/self/maps as it is, with the mappings in [start, end) named as the kernel names anonymous memory."""
+    """/proc/self/maps as it is, with [start, end) named as the kernel names anonymous memory.
+
+    Naming a range splits the mapping that holds it, as the kernel does: the
+    range may be part of a larger anonymous mapping it was merged with.
+    """
     with open("/proc/self/maps", "rb") as maps:
-        lines = maps.read().splitlines(keepends=True)
+        lines = maps.read().splitlines()
     named = []
     for line in lines:
-        low = int(line.split(b"-", 1)[0], 16)
-        if start <= low < end and len(line.split()) == 5:
-            line = line.rstrip(b"\n") + b"    [anon:" + name + b"]\n"
-        named.append(line)
-    return b"".join(named)
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split(b"-"))
+        if len(fields) != 5 or high <= start or low >= end:
+            named.append(line)
+            continue
+        rest = b" ".join(fields[1:5])
+        pieces = [(low, start, b""), (start, end, b"    [anon:" + name + b"]"), (end, high, b"")]
+        for first, last, label in pieces:
+            first, last = max(first, low), min(last, high)
+            if first < last:
+                named.append(b"%x-%x %s%s" % (first, last, rest, label))
+    return b"\n".join(named) + b"\n"
 
 
 def test_a_named_anonymous_mapping_is_anonymous(fake_chunk, monkeypatch):
