@@ -28,7 +28,7 @@ import joblib
 import numpy as np
 import pytest
 
-from memshare._owners import OWNER_DEAD, Owner, parse_folder_name, process_start_time
+from memshare._owners import OWNER_DEAD, Owner, new_folder_name, parse_folder_name, process_start_time
 
 #: The ``return_as`` values of the installed joblib ("generator_unordered" appeared in joblib 1.4).
 JOBLIB_VERSION = tuple(int(part) for part in joblib.__version__.split(".")[:2])
@@ -87,6 +87,81 @@ def shm_dir(tmp_path, monkeypatch):
     base.mkdir()
     monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(base))
     return base
+
+
+#: Runs ``python -m memshare`` in a fresh interpreter whose shared memory root is its first argument.
+_CLI_WITH_SHM_ROOT = (
+    "import sys; from memshare import _location; _location.SHM_ROOT = sys.argv.pop(1); "
+    "from memshare.__main__ import main; sys.exit(main())"
+)
+
+
+class PrivateBases:
+    """A test's own shared memory root and temp dir, standing for /dev/shm and the system temp dir."""
+
+    def __init__(self, shm: str, tmp: str) -> None:
+        self.shm, self.tmp = shm, tmp
+
+    def command(self, *args: str) -> List[str]:
+        """``python -m memshare *args``, run with these bases (pass ``self.env()`` as its environment)."""
+        return [sys.executable, "-c", _CLI_WITH_SHM_ROOT, self.shm, *args]
+
+    def env(self, base=None) -> Dict[str, str]:
+        """The environment for :meth:`command`: no location setting but ``base``, and the private temp dir."""
+        env = without_location_settings()
+        env["TMPDIR"] = self.tmp
+        if base is not None:
+            env["MEMSHARE_TEMP_FOLDER"] = str(base)
+        return env
+
+
+def plant_foreign_folders(bases) -> List[str]:
+    """Folders named as memshare names them under each of ``bases``, as other programs leave them; their paths.
+
+    Each base gets one of a live owner of this host (this process), one of a live owner of another host,
+    and one of a dead owner of this host (another program's leftover, which a sweep may take at any time).
+    """
+    me = Owner.current()
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()
+    host = "0123456789" if me.host != "0123456789" else "9876543210"
+    owners = (me, Owner(me.pid, me.start, me.namespace, host), Owner(child.pid, 777, me.namespace, me.host))
+    planted = []
+    for base in bases:
+        for owner in owners:
+            path = os.path.join(base, new_folder_name(owner))
+            os.mkdir(path, 0o700)
+            with open(os.path.join(path, "dump-0123456789abcdef.bin"), "wb") as data:
+                data.write(b"\1" * 4096)
+            planted.append(path)
+    return planted
+
+
+@pytest.fixture
+def private_bases(tmp_path, monkeypatch):
+    """The tools see only the test's own folders, beside other programs' folders in the real ones.
+
+    ``clean`` and ``doctor`` search /dev/shm and the system temp dir, where other programs (other test
+    runs) keep memshare folders, live or dead, that would change what they print. This points memshare's
+    shared memory root (a folder on the same tmpfs, so ``doctor`` judges the same file system) and the
+    temp dir at the test's own folders, drops the location settings, and plants live and dead foreign
+    folders in the real /dev/shm and temp dir for the test's duration, so a test that still looks there
+    fails every time rather than now and then.
+    """
+    for name in LOCATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    shm = tempfile.mkdtemp(prefix="tests-private-shm-", dir=LEAK_BASES[0])
+    tmp = tmp_path / "private-tmp"
+    tmp.mkdir()
+    planted = plant_foreign_folders(LEAK_BASES)
+    for module in ("memshare._location", "memshare._tools.cli", "memshare._tools.doctor"):
+        monkeypatch.setattr(f"{module}.SHM_ROOT", shm)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    try:
+        yield PrivateBases(shm, str(tmp))
+    finally:
+        for path in planted + [shm]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def memshare_entries(base) -> list:

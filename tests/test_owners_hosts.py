@@ -81,11 +81,9 @@ def run_parallel_call(temp_folder) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def run_clean(*args: str) -> subprocess.CompletedProcess:
-    env = without_location_settings()
-    return subprocess.run(
-        [sys.executable, "-m", "memshare", "clean", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+def run_clean(bases, *args: str) -> subprocess.CompletedProcess:
+    """``python -m memshare clean *args`` that sees only the test's folders (``bases``: ``private_bases``)."""
+    return subprocess.run(bases.command("clean", *args), env=bases.env(), capture_output=True, text=True, timeout=60)
 
 
 # The host identity and the name format.
@@ -146,10 +144,10 @@ def test_a_call_keeps_another_hosts_folder_and_removes_this_hosts_dead_ones(shar
     assert sorted(os.listdir(shared)) == sorted(os.path.basename(p) for p in (other, other_twin))
 
 
-def test_clean_keeps_another_hosts_folder_and_removes_this_hosts_dead_ones(shared):
+def test_clean_keeps_another_hosts_folder_and_removes_this_hosts_dead_ones(shared, private_bases):
     other = plant(shared, new_folder_name(Owner(4242, 777, INITIAL_PID_NAMESPACE, other_host())))
     dead_here = plant(shared, new_folder_name(Owner(exited_pid(), 777, pid_namespace(), host_identity())))
-    result = run_clean("--shm", str(shared))
+    result = run_clean(private_bases, "--shm", str(shared))
     assert result.returncode == 0, result.stdout + result.stderr
     assert os.path.isdir(other), "clean deleted a live owner's folder on another host"
     assert not os.path.exists(dead_here)
@@ -157,13 +155,13 @@ def test_clean_keeps_another_hosts_folder_and_removes_this_hosts_dead_ones(share
     assert "1 folder(s) of other hosts" in result.stdout, result.stdout
 
 
-def test_folders_of_older_versions_are_still_cleaned_on_a_local_file_system(shared):
+def test_folders_of_older_versions_are_still_cleaned_on_a_local_file_system(shared, private_bases):
     old_dead = plant(shared, old_format_name(exited_pid(), 777, pid_namespace()))
     old_live = plant(shared, old_format_name(os.getpid(), Owner.current().start, pid_namespace()))
     run_parallel_call(shared)
     assert not os.path.exists(old_dead) and os.path.isdir(old_live)
     old_dead = plant(shared, old_format_name(exited_pid(), 777, pid_namespace()))
-    result = run_clean("--shm", str(shared))
+    result = run_clean(private_bases, "--shm", str(shared))
     assert result.returncode == 0, result.stderr
     assert not os.path.exists(old_dead) and os.path.isdir(old_live)
 
@@ -256,7 +254,9 @@ def test_the_sweep_leaves_network_file_systems_alone_unless_asked(shared, monkey
     assert os.path.isdir(other) and os.path.isdir(old_dead)
 
 
-def test_clean_says_it_left_a_network_file_system_alone_and_sweeps_it_when_asked(shared, monkeypatch, capsys):
+def test_clean_says_it_left_a_network_file_system_alone_and_sweeps_it_when_asked(
+    shared, monkeypatch, capsys, private_bases
+):
     dead_here = plant(shared, new_folder_name(Owner(exited_pid(), 777, pid_namespace(), host_identity())))
     other = plant(shared, new_folder_name(Owner(4242, 777, INITIAL_PID_NAMESPACE, other_host())))
     fake_network_mount(monkeypatch, shared)
