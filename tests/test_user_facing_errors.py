@@ -10,6 +10,7 @@ gets no note.
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -126,3 +127,19 @@ def test_before_notes_the_message_carries_the_note(monkeypatch):
     assert type(exc) is ValueError and not getattr(exc, "__notes__", None)
     assert str(exc).startswith("assignment destination is read-only\n") and "mmap_mode='c'" in str(exc)
     assert _worker.is_read_only_error(exc)  # its first line is still NumPy's
+
+
+def takes(value):
+    return 0
+
+
+def test_an_unpicklable_argument_names_the_fix_of_its_front_end():
+    """Parallel's error suggests threads through its backend; a pool's, a thread pool: it has no backend."""
+    lock = threading.Lock()
+    with pytest.raises(memshare.UnpicklableArgumentError) as parallel:
+        memshare.Parallel(n_jobs=2)(memshare.delayed(takes)(lock) for _ in range(2))
+    assert "backend='threading'" in str(parallel.value), str(parallel.value)
+    with MemmappingPool(2) as pool, pytest.raises(memshare.UnpicklableArgumentError) as pooled:
+        pool.map(takes, [lock])
+    message = str(pooled.value)
+    assert "backend" not in message and "multiprocessing.pool.ThreadPool" in message, message

@@ -67,9 +67,14 @@ class _TaskRecord:
 class Session:
     """Dumps, references and results of one pool or call. Thread-safe."""
 
-    def __init__(self, settings: Settings, reducers: Optional[Reducers] = None) -> None:
-        """``reducers`` (type -> reducer) are used when pickling task arguments."""
+    def __init__(self, settings: Settings, reducers: Optional[Reducers] = None, threads_instead: str = "") -> None:
+        """``reducers`` (type -> reducer) are used when pickling task arguments.
+
+        ``threads_instead`` is how the user of this session's front end runs
+        tasks in threads, named when an argument cannot be pickled.
+        """
         self.settings = settings
+        self._threads_instead = threads_instead or "use backend='threading'"
         self._reducers = dict(reducers) if reducers else None
         self.folder = TempFolder(settings.temp_folder)
         self.stats = CallStats()
@@ -181,7 +186,7 @@ class Session:
                 f"memshare: cannot send a call of {_name_of(func)} to a worker process: "
                 f"{type(exc).__name__}: {exc}. Pass only "
                 "picklable arguments (locks, open files, generators, sockets and database connections are "
-                "not), create such objects inside the task, or use backend='threading'."
+                f"not), create such objects inside the task, or {self._threads_instead}."
             ) from exc
         except BaseException:
             self._abandon(record)

@@ -145,7 +145,9 @@ class MemmappingPool(PoolWithHooks):
             # imported start at once; otherwise each imports it, and a second
             # pool or a replacement worker pays that again.
             preload_in_fork_server("memshare")
-        self._session = Session(settings, forward_reducers)
+        self._session = Session(
+            settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
+        )
         try:
             setup = cloudpickle.dumps((initializer, backward_reducers, self._session.results))
         except BaseException:
