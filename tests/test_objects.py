@@ -12,7 +12,7 @@ from conftest import memfds_held, memshare_entries
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._routes import object_candidate
+from memshare._routes import OBJECT_DUMP, OBJECT_DUMP_MIN, PICKLE, object_candidate, object_route
 
 pd = pytest.importorskip("pandas")
 
@@ -165,7 +165,15 @@ def test_object_candidates_are_cheap_to_tell():
     assert not object_candidate({"a": 1, "b": (2, 3)}, 1024)
     assert not object_candidate(big_table(), None)  # max_nbytes=None: nothing leaves the stream
     assert object_candidate(big_table(100), 1024)
-    assert object_candidate(["x" * 400] * 3, 1024)
+    assert object_candidate(["x" * 8000] * 3, 1024)
+    assert not object_candidate(["x" * 400] * 3, 1024)  # surely below OBJECT_DUMP_MIN
+
+
+def test_small_objects_stay_in_the_task_whatever_max_nbytes():
+    """A max_nbytes meant for arrays (joblib's tests use 2 bytes) sends no small object to a file."""
+    assert object_route(OBJECT_DUMP_MIN - 1, 2).kind == PICKLE
+    assert object_route(OBJECT_DUMP_MIN, 2).kind == OBJECT_DUMP
+    assert object_route(OBJECT_DUMP_MIN, 2 * OBJECT_DUMP_MIN).kind == PICKLE
     assert object_candidate(pd.DataFrame({"x": [1, 2]}), 1024)  # a class instance: pickled to know
 
 

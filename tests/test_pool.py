@@ -88,6 +88,34 @@ def test_no_folder_when_nothing_crosses_the_threshold(shm_dir):
         assert memshare_entries(shm_dir) == []
 
 
+def inplace_double(args):
+    data, position, expected = args
+    assert data[position] == expected
+    data[position] *= 2
+
+
+def test_memmaps_alone_make_nothing_in_the_temp_folder(tmp_path):
+    """Memmaps travel as references and their small tuples in the tasks: the pool's folder stays empty.
+
+    Each task's argument, a tuple around the memmap, pickles to more than
+    ``max_nbytes=2``; it stays in the task (argument objects go to a file only
+    when large), so nothing is written, as with joblib's pool.
+    """
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    with MemmappingPool(10, max_nbytes=2, temp_folder=str(folder)) as pool:
+        a = np.memmap(str(tmp_path / "test.mmap"), dtype=np.float32, shape=(3, 5), mode="w+")
+        a.fill(1.0)
+        pool.map(inplace_double, [(a, (i, j), 1.0) for i in range(3) for j in range(5)])
+        assert os.listdir(folder) == []
+        np.testing.assert_array_equal(a, 2.0)
+        b = np.memmap(str(tmp_path / "test.mmap"), dtype=np.float32, shape=(5, 3), mode="c")
+        pool.map(inplace_double, [(b, (i, j), 2.0) for i in range(5) for j in range(3)])
+        assert os.listdir(folder) == []
+        np.testing.assert_array_equal(b, 2.0)  # the workers' writes stayed in their private copies
+    assert os.listdir(folder) == []
+
+
 @pytest.mark.parametrize("finish", ["terminate", "close_join", "context"])
 def test_files_removed_on_every_way_of_finishing(shm_dir, finish):
     data = np.ones(300_000)

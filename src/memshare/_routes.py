@@ -247,6 +247,10 @@ _NEVER_OBJECTS = (
 )  # fmt: skip
 #: How many objects :func:`object_candidate` looks at before it calls an argument a candidate.
 _LOOK_AT = 64
+#: The least pickled size of an argument object that goes to a dump, whatever ``max_nbytes`` says: a
+#: smaller one costs each task less in its payload than a file, a mapping and an unpickling do, and a
+#: ``max_nbytes`` meant for arrays (joblib's tests use 2) would make a file of every tuple around a memmap.
+OBJECT_DUMP_MIN = 64 * 1024
 
 
 def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
@@ -261,7 +265,7 @@ def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
     """
     if max_nbytes is None or isinstance(obj, _NEVER_OBJECTS):
         return False
-    return not _surely_smaller(obj, max_nbytes)
+    return not _surely_smaller(obj, max(max_nbytes, OBJECT_DUMP_MIN))
 
 
 def _surely_smaller(obj: Any, limit: int) -> bool:
@@ -303,10 +307,10 @@ def _surely_smaller(obj: Any, limit: int) -> bool:
 def object_route(nbytes: int, max_nbytes: Optional[int]) -> Route:
     """How an argument object that pickled alone to ``nbytes`` travels.
 
-    ``OBJECT_DUMP`` from ``max_nbytes`` on (at, as buffers), so that it is
-    pickled once per call however many tasks pass it; ``PICKLE`` otherwise:
-    its pickle goes in the task's own payload.
+    ``OBJECT_DUMP`` from ``max_nbytes`` on (at, as buffers), but never below
+    ``OBJECT_DUMP_MIN``, so that it is pickled once per call however many
+    tasks pass it; ``PICKLE`` otherwise: its pickle goes in the task's own payload.
     """
-    if max_nbytes is None or nbytes < max_nbytes:
+    if max_nbytes is None or nbytes < max(max_nbytes, OBJECT_DUMP_MIN):
         return Route(PICKLE)
     return Route(OBJECT_DUMP)
