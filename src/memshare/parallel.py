@@ -3,9 +3,11 @@
 ``Parallel`` is joblib's ``Parallel`` with one difference: when no backend is
 given, no ``joblib.parallel_config`` chooses one and the call does not ask
 for threads (``prefer="threads"``, ``require="sharedmem"``), it runs on the
-``"memshare"`` backend. Every other backend name (``"dask"``, ``"loky"``,
-``"threading"``...) passes through unchanged, so the same code can move to a
-Dask cluster with ``Parallel(backend="dask")``.
+``"memshare"`` backend. A backend named either way (``"loky"``,
+``"threading"``, ``"dask"``...) is used unchanged, so the same code moves to a
+Dask cluster under ``joblib.parallel_config(backend="dask")``.
+``Parallel(backend="dask")`` fails in joblib itself with recent ``distributed``
+(joblib 1.6 with distributed 2026.8: a ``TypeError`` about ``nesting_level``).
 
 Inside a worker, joblib makes nested calls use threads or run sequentially,
 so that processes are not spawned without bound; ``Parallel`` keeps that
@@ -22,7 +24,7 @@ import joblib
 from joblib import delayed
 from joblib.parallel import get_active_backend
 
-from ._compat import iterator_exhausted
+from ._compat import iterator_exhausted, parallel_config_options
 from ._config import parse_max_nbytes
 from .backend import BACKEND_NAME, MemshareBackend
 
@@ -30,11 +32,14 @@ from .backend import BACKEND_NAME, MemshareBackend
 def _no_backend_chosen() -> bool:
     """True when joblib would fall back to its own default backend.
 
-    joblib's default is a top-level ``LokyBackend``; a nested call sees a
-    ``ThreadingBackend`` or ``SequentialBackend`` with a nesting level, and a
-    ``parallel_config`` sees the backend it named.
+    joblib's default is a top-level ``LokyBackend`` that no
+    ``parallel_config`` named (one that names ``"loky"`` gives the same
+    type); a nested call sees a ``ThreadingBackend`` or ``SequentialBackend``
+    with a nesting level, and a ``parallel_config`` sees the backend it named.
     """
     backend, _ = get_active_backend()
+    if "backend" in parallel_config_options():
+        return False
     return type(backend).__name__ == "LokyBackend" and not backend.nesting_level
 
 
@@ -80,7 +85,9 @@ class Parallel(joblib.Parallel):
     Results larger than ``max_nbytes`` come back through shared memory.
     ``max_nbytes`` is read by memshare's parser whatever the backend, so it
     takes the same sizes as ``MemmappingPool`` (``"10 KiB"``, ``"1 GB"``,
-    ``"0"`` as well as joblib's ``"1M"``).
+    ``"0"`` as well as joblib's ``"1M"``). A backend named here or by a
+    ``joblib.parallel_config`` is used instead of memshare's; on Dask, name it
+    with ``parallel_config(backend="dask")`` (see the module's docstring).
 
     ``progress=True`` shows a tqdm bar (``tqdm.auto``: on stderr in a
     terminal, a widget in Jupyter): tasks done out of the total, rate and
