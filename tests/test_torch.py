@@ -261,3 +261,65 @@ def test_nothing_is_left_after_a_worker_is_killed(shm_dir):
     del X
     gc.collect()
     assert leaks(shm_dir) == []
+
+
+def test_an_aligned_malloc_chunk_of_its_own_is_recognised_only_when_asked():
+    from memshare import _held_memory
+
+    tensor = torch.empty(64 * 1024**2, dtype=torch.uint8)  # torch's allocator: posix_memalign, 64-byte aligned
+    address = tensor.data_ptr()
+    assert address % _held_memory.PAGE != 16  # not where plain malloc puts a chunk's data
+    assert _held_memory.mmapped_chunk(address, tensor.numel()) is not None
+    reason = _held_memory.mmapped_chunk(address, tensor.numel(), aligned=True)
+    assert reason is None, reason
+    assert "smaller than the array" in _held_memory.mmapped_chunk(address, 2 * tensor.numel(), aligned=True)
+
+
+def held_file_of(tensor) -> str:
+    from memshare import _held_memory
+
+    ((path, _),) = mappings_of([tensor.data_ptr() + 2 * _held_memory.PAGE])
+    return path
+
+
+def test_a_tensor_is_held_once_and_a_change_moves_it_to_a_new_file():
+    X = big_tensor()
+    with Parallel(n_jobs=2, max_nbytes=LIMIT) as parallel:
+        first = parallel(delayed(checksum)(X) for _ in range(4))
+        held = held_file_of(X)
+        X[100, 100] = 7.0
+        second = parallel(delayed(checksum)(X) for _ in range(4))
+    stats = memshare.last_call_stats()  # both calls: one context
+    assert stats["arrays_held_once"] == 1 and stats["arrays_dumped"] == 0, stats
+    assert stats["bytes_refreshed"] == X.numel() * 4, stats
+    assert "memshare-held" in held, held
+    assert first != second and second == [checksum(X)] * 4
+    del X
+    gc.collect()
+    assert memfds_held() == []
+
+
+@pytest.mark.parametrize("first", ["array", "tensor"])
+def test_an_array_and_its_from_numpy_tensor_never_send_stale_values(first):
+    array = np.random.default_rng(1).random((4096, 2048))  # 64 MiB, held once by whichever goes first
+    tensor = torch.from_numpy(array)
+
+    values = {"array": array, "tensor": tensor}
+    second = "tensor" if first == "array" else "array"
+    assert send(values[first]) == [float(array.sum())] * 2
+    array[5, 5] = 1e6  # a private page of whatever memory the first send left
+    assert send(values[second]) == [float(array.sum())] * 2
+    array[9, 9] = -1e6
+    assert send(values[first]) == [float(array.sum())] * 2
+    values.clear()
+    del array, tensor
+    gc.collect()
+    assert memfds_held() == []
+
+
+def total_of(value) -> float:
+    return float(np.asarray(value).sum())
+
+
+def send(value) -> list:
+    return Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_of)(value) for _ in range(2))

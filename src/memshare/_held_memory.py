@@ -115,7 +115,7 @@ def runs(indexes: np.ndarray) -> List[Tuple[int, int]]:
     return [(int(indexes[a]), int(b - a)) for a, b in zip(starts, stops)]
 
 
-def mmapped_chunk(address: int, nbytes: int) -> Optional[str]:
+def mmapped_chunk(address: int, nbytes: int, aligned: bool = False) -> Optional[str]:
     """None when ``address`` is the data of a glibc malloc chunk of its own mapping; else why not.
 
     glibc's two-word header (prev_size, size) must start on the page before
@@ -126,24 +126,42 @@ def mmapped_chunk(address: int, nbytes: int) -> Optional[str]:
     the array and be private anonymous memory in ``/proc/self/maps``. Then
     ``free()`` unmaps that whole range, and nothing but this array lives in
     it. The maps are read before the header, so no unmapped memory is read.
+
+    ``aligned`` also takes a chunk that ``posix_memalign`` carved out of its
+    mapping (torch's CPU allocator aligns to 64 bytes): its header is then
+    ``prev_size`` bytes past the page-aligned start of the mapping, which
+    ``free()`` unmaps from that start, and the mapping's size is
+    ``prev_size`` more than the chunk's.
     """
     chunk = address - _malloc.CHUNK_HEADER
-    if chunk % PAGE:
+    if chunk % PAGE and not aligned:
         return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
-    covered = _anonymous_extent(chunk)
+    covered = _anonymous_extent(chunk - chunk % PAGE)
     if covered is None:
         return "its memory is not a private anonymous mapping"
     prev_size, size_word = (ctypes.c_size_t * 2).from_address(chunk)
     if not size_word & _malloc.IS_MMAPPED:
         return "not a malloc chunk of its own mapping (glibc served it from the heap)"
-    end, _layout = _malloc.mapping_end(chunk, size_word)
-    if prev_size or end is None:
+    start = chunk
+    if aligned and prev_size and (chunk - prev_size) % PAGE == 0 and prev_size < _MAX_ALIGNMENT:
+        start, size_word = chunk - prev_size, size_word + prev_size
+        covered = _anonymous_extent(start) if start < chunk - chunk % PAGE else covered
+        if covered is None:
+            return "its memory is not a private anonymous mapping"
+    elif chunk % PAGE:
+        return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
+    end, _layout = _malloc.mapping_end(start, size_word)
+    if (prev_size and start == chunk) or end is None:
         return f"a malloc chunk of a layout memshare does not know (header {prev_size:#x}, {size_word:#x})"
     if end < address + nbytes:
         return "its malloc chunk is smaller than the array"
     if covered < end:
         return "its malloc chunk is not wholly private anonymous memory"
     return None
+
+
+#: The largest alignment of an aligned chunk taken (a huge page): a larger prev_size is not an alignment's.
+_MAX_ALIGNMENT = 2 * 1024**2
 
 
 def _anonymous_extent(start: int) -> Optional[int]:

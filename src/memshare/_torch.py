@@ -7,7 +7,9 @@ shares the memory), so it can take the road of an array: held once, dumped
 once per call or sent as a reference, and rebuilt with
 ``torch.from_numpy`` over the receiver's mapping, with the tensor's dtype,
 shape and strides. A result comes back through a result file as a tensor
-over the parent's mapping.
+over the parent's mapping. The byte array of a storage is vouched for
+(``_held_once.vouch``): held once when its memory is a malloc chunk of its
+own, as torch's allocator gives large tensors.
 
 torch has no read-only tensors, and a write into a read-only mapping kills
 the process: an argument tensor's file is therefore always mapped
@@ -35,7 +37,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import _forksafe
+from . import _forksafe, _held_once
 from ._identity import IdentityTable
 
 #: Tensors below this many bytes (joblib's default ``max_nbytes``) are pickled by torch.
@@ -127,6 +129,7 @@ class _Views:
             return base
         torch = sys.modules["torch"]
         base = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        _held_once.vouch(base)  # the storage lives as long as its byte array: held once if its memory allows
 
         def collected(ref: weakref.ref) -> None:
             if self._bases.get(key) is ref:
