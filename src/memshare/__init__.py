@@ -10,6 +10,7 @@ every task reads, and :func:`last_call_stats`.
 from ._broadcast import Broadcast, broadcast
 from ._errors import (
     RemoteTraceback,
+    SharedArrayCopiedWarning,
     SharedMemoryFallbackWarning,
     SharedMemoryFullError,
     UnpicklableArgumentError,
@@ -33,6 +34,7 @@ __all__ = [
     "MemshareBackend",
     "Parallel",
     "RemoteTraceback",
+    "SharedArrayCopiedWarning",
     "SharedMemoryFallbackWarning",
     "SharedMemoryFullError",
     "UnpicklableArgumentError",

@@ -95,8 +95,14 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
     ),
     (
         "joblib.parallel._backend (the thread's parallel_config)",
-        "doctor reports the options of an enclosing joblib.parallel_config(backend='memshare', ...)",
+        "doctor reports the options of an enclosing joblib.parallel_config(backend='memshare', ...); "
+        "memshare.Parallel follows the backend one names",
         lambda: _has(_joblib_parallel, "_backend") and isinstance(_joblib_parallel.default_parallel_config, dict),
+    ),
+    (
+        "joblib.Parallel._backend",
+        "memshare.Parallel warns when the backend a call runs on copies a writable shared array into its workers",
+        lambda: _uses_attribute(joblib.Parallel, "_backend"),
     ),
     (
         "joblib BatchedCalls.items",
@@ -278,6 +284,11 @@ def parallel_config_options() -> Dict[str, Any]:
     if not isinstance(config, dict):
         return {}
     return {key: value for key, value in config.items() if value is not defaults.get(key)}
+
+
+def parallel_backend(parallel: Any) -> Any:
+    """The backend a ``joblib.Parallel`` runs its call on (after any fallback); None where the name is missing."""
+    return getattr(parallel, "_backend", None)
 
 
 def batched_calls(task: Any) -> Optional[List[Tuple[Any, tuple, dict]]]:
@@ -583,6 +594,7 @@ __all__ = [
     "made_by_default_allocator",
     "make_loky_tracker_reentrant",
     "pandas_array_state",
+    "parallel_backend",
     "parallel_config_options",
     "pending_results",
     "pool_size",

@@ -31,6 +31,15 @@ class SharedMemoryFallbackWarning(UserWarning):
     """
 
 
+class SharedArrayCopiedWarning(UserWarning):
+    """A writable shared array went by value to workers that do not share this process's memory.
+
+    Another backend's pickler (Dask's, loky's named explicitly) copies it into
+    each worker of another process or machine: writes there never reach the
+    parent's array.
+    """
+
+
 class UnpicklableArgumentError(pickle.PicklingError, TypeError):
     """A task's function or arguments cannot be pickled to reach a worker."""
 

@@ -101,6 +101,18 @@ def new_shared_array(
     return _store.new_array(shape, dtype, order, source)
 
 
+def views_shared_array(array: np.ndarray) -> bool:
+    """True when ``array`` is, or views, one of this process's shared arrays (its chain of bases meets one)."""
+    with _store.lock:
+        live = {id(base) for base in (entry[1]() for entry in _store.bases.values()) if base is not None}
+    value: object = array
+    while live and value is not None:
+        if id(value) in live:
+            return True
+        value = getattr(value, "base", None)
+    return False
+
+
 def lookup_shared(ref: ArrayRef) -> Optional[np.ndarray]:
     """The parent's own memory for a reference to one of its shared arrays."""
     if ref.kind != SHARED:

@@ -9,6 +9,11 @@ Dask cluster under ``joblib.parallel_config(backend="dask")``.
 ``Parallel(backend="dask")`` fails in joblib itself with recent ``distributed``
 (joblib 1.6 with distributed 2026.8: a ``TypeError`` about ``nesting_level``).
 
+On a backend whose workers get copies of the arguments (Dask's, loky or
+multiprocessing named explicitly), a writable shared array (``memshare.zeros``...)
+arrives by value, so writes into it are lost: the first task that takes one
+raises a ``SharedArrayCopiedWarning`` naming the fixes.
+
 Inside a worker, joblib makes nested calls use threads or run sequentially,
 so that processes are not spawned without bound; ``Parallel`` keeps that
 rule, because the nested configuration is an active backend.
@@ -18,14 +23,18 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Iterator, Optional, Tuple
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import joblib
+import numpy as np
 from joblib import delayed
-from joblib.parallel import get_active_backend
+from joblib.parallel import BACKENDS, get_active_backend
 
-from ._compat import iterator_exhausted, parallel_config_options
+from ._compat import iterator_exhausted, parallel_backend, parallel_config_options
 from ._config import parse_max_nbytes
+from ._errors import SharedArrayCopiedWarning
+from ._shared_store import views_shared_array
 from .backend import BACKEND_NAME, MemshareBackend
 
 
@@ -76,6 +85,90 @@ def _with_max_nbytes_parsed(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     return args, kwargs
 
 
+def _takes_writable_shared(args: tuple, kwargs: dict) -> bool:
+    """True when a call's arguments hold a writable shared array (in containers two levels deep at most)."""
+    pending = [(value, 0) for value in (*args, *kwargs.values())]
+    budget = 256
+    while pending and budget:
+        value, depth = pending.pop()
+        budget -= 1
+        if isinstance(value, np.ndarray):
+            if value.flags.writeable and views_shared_array(value):
+                return True
+        elif depth < 2 and type(value) in (list, tuple, dict):
+            items = list(value.values() if type(value) is dict else value)[:64]
+            pending.extend((item, depth + 1) for item in items)
+    return False
+
+
+def _copying_backend_name(backend: Any) -> Optional[str]:
+    """The name of ``backend`` when its workers get copies of the arguments; None when they share this memory."""
+    if backend is None or isinstance(backend, MemshareBackend) or getattr(backend, "supports_sharedmem", False):
+        return None
+    names = [name for name, cls in BACKENDS.items() if cls is type(backend)]
+    return names[0] if names else type(backend).__name__
+
+
+def _runs_here(backend: Any, n_jobs: Any) -> bool:
+    """True when joblib runs the call in this process: one job (joblib then calls no worker)."""
+    try:
+        return backend.effective_n_jobs(n_jobs) == 1
+    except Exception:  # a backend that cannot tell: its workers may get copies
+        return False
+
+
+def _copied_message(backend_name: str) -> str:
+    return (
+        f"memshare: a task on joblib's {backend_name!r} backend takes a writable shared array (memshare.zeros, "
+        "empty, full or share, or a view of one): that backend pickles it, so each worker in another process or "
+        "on another machine gets a copy, and what tasks write into it never reaches this array. To fill a shared "
+        "array, run the call on memshare's backend (memshare.Parallel with no backend named, or "
+        "joblib.parallel_config(backend='memshare')) or on threads; on a cluster, return the values from the "
+        "tasks and assemble them here."
+    )
+
+
+class _Watched:
+    """A call's tasks, looked at as joblib takes them while ``copying`` names the backend that copies arguments.
+
+    ``copying`` is asked when the first task is taken, once joblib has set
+    its backend up; ``warn_of`` is given each task and that name until it
+    returns True (it warned).
+    """
+
+    def __init__(
+        self, iterable: Iterable, copying: Callable[[], Optional[str]], warn_of: Callable[[Any, str], bool]
+    ) -> None:
+        self._iterable, self._copying, self._warn_of = iterable, copying, warn_of
+
+    def __iter__(self) -> Iterator:
+        name: Optional[str] = None
+        for index, task in enumerate(self._iterable):
+            if index == 0:
+                name = self._copying()
+            if name is not None and self._warn_of(task, name):
+                name = None
+            yield task
+
+
+def _warn_of_shared(task: Any, backend_name: str) -> bool:
+    """Warn, and return True, when ``task`` (a delayed call) gives a writable shared array to the backend's workers."""
+    try:
+        _, args, kwargs = task
+    except (TypeError, ValueError):
+        return False  # not a delayed call: joblib reports it
+    if not _takes_writable_shared(tuple(args), dict(kwargs)):
+        return False
+    # Raised in joblib's code as it takes the task: the user's frame is several levels up.
+    warnings.warn(_copied_message(backend_name), SharedArrayCopiedWarning, stacklevel=2)
+    return True
+
+
+class _WatchedSized(_Watched):
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+
 class Parallel(joblib.Parallel):
     """joblib's ``Parallel``, running on memshare's backend by default.
 
@@ -106,6 +199,9 @@ class Parallel(joblib.Parallel):
         self._dispatched_all = False
 
     def __call__(self, iterable):
+        iterable = (_WatchedSized if hasattr(iterable, "__len__") else _Watched)(
+            iterable, self._copying_backend, _warn_of_shared
+        )
         if not self.progress:
             return super().__call__(iterable)
         from tqdm.auto import tqdm
@@ -123,6 +219,15 @@ class Parallel(joblib.Parallel):
             return self._close_bar_after(output)
         self._close_bar()
         return output
+
+    def _copying_backend(self) -> Optional[str]:
+        """The name of the backend this call runs on when its workers get copies of the arguments, else None.
+
+        Asked once joblib has set the backend up: one job runs the call here.
+        """
+        backend = parallel_backend(self)
+        name = _copying_backend_name(backend)
+        return None if name is None or _runs_here(backend, self.n_jobs) else name
 
     def print_progress(self) -> None:
         # joblib calls this after every completed batch, from whichever
