@@ -19,6 +19,7 @@ from memshare._routes import (
     DUMP_ARRAY,
     DUMP_BASE,
     HAND_OVER,
+    INPUT_FILE,
     OWN_DUMP,
     PICKLE,
     REFERENCE,
@@ -302,9 +303,21 @@ def test_results_over_a_private_raw_mmap_are_copied(raw_file):
     del array
 
 
-def test_views_of_a_dump_come_back_as_copies(dump_memmap):
+def test_views_of_a_dump_the_task_was_not_given_come_back_as_copies(dump_memmap):
     assert result_route(dump_memmap, LIMIT, never_owned).kind == RESULT_FILE
     assert result_route(dump_memmap[:4], LIMIT, never_owned).kind == BY_VALUE
+    assert result_route(dump_memmap, LIMIT, never_owned, given=never_owned).kind == RESULT_FILE
+
+
+def test_large_views_of_a_dump_the_task_was_given_come_back_as_that_file(dump_memmap):
+    for view in (dump_memmap, dump_memmap[: LARGE // 2], dump_memmap[::-3]):
+        route = result_route(view, LIMIT, never_owned, given=always_owned)
+        assert route.kind == INPUT_FILE
+        assert route.ref == find_backing(view) and route.ref.kind == DUMP
+    # Small ones are pickled; large ones that would keep a file of more than 8 times their size alive are copied.
+    assert result_route(dump_memmap[:4], LIMIT, never_owned, given=always_owned).kind == BY_VALUE
+    assert result_route(dump_memmap[::10], 512, never_owned, given=always_owned).kind == RESULT_FILE
+    assert result_route(dump_memmap[::8], 512, never_owned, given=always_owned).kind == INPUT_FILE
 
 
 def test_shared_arrays_are_handed_over_by_their_owner_and_referenced_by_others(shm_dir):

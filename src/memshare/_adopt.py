@@ -3,8 +3,9 @@
 :func:`restore` unpickles an outcome with each slot loaded once: a result
 file or memfd is adopted (mapped, its name deleted at once, so that its
 memory lives exactly as long as the returned array), the user's own file or
-the parent's own shared array is viewed, an array that came by value is
-taken as it is. A named result file is adopted only from the session's own
+the parent's own shared array is viewed, a view of a dump or a held file
+the task was given is that file mapped copy-on-write, an array that came by
+value is taken as it is. A named result file is adopted only from the session's own
 folder pair, checked by the (device, inode) of the opened folder.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import numpy as np
 
@@ -23,18 +24,27 @@ from ._handoff import Inbox
 from ._mapping import array_from_ref, map_descriptor
 from ._protocol import Outcome, Receive, Slot
 from ._reducers import unpack
-from ._refs import RESULT, ArrayRef, file_identity, kind_of_path
+from ._refs import DUMP, HELD, RESULT, ArrayRef, file_identity, kind_of_path
 from ._shared_store import lookup_shared
+
+#: In the parent: a new descriptor of the file of the parent's own that a result slot names (a dump or a
+#: file held once that the task was given), checked by (device, inode); PermissionError for any other file.
+OpenGiven = Callable[[ArrayRef], int]
 
 
 def restore(
-    outcome: Outcome, receive: Optional[Receive] = None, folder: Optional[FolderPair] = None
+    outcome: Outcome,
+    receive: Optional[Receive] = None,
+    folder: Optional[FolderPair] = None,
+    open_given: Optional[OpenGiven] = None,
 ) -> Tuple[bool, Any]:
     """In the parent: (True, value) or (False, exception with remote traceback).
 
     ``receive`` gives the descriptors of result memfds the worker passed
     (see ``_handoff``), by (device, inode); result files are adopted only
     from ``folder``, the session's folder pair (see :func:`adopt_result`).
+    A slot naming a dump or a held file is mapped only through
+    ``open_given`` (see :func:`map_given`).
     """
 
     # Two slots may name one result file (two views of one array of the worker): the file,
@@ -48,6 +58,8 @@ def restore(
             if key not in adopted:
                 adopted[key] = adopt_mapping(where, receive, folder)
             return _view(adopted[key], where)
+        if isinstance(where, ArrayRef) and where.kind in (DUMP, HELD):
+            return map_given(where, open_given)
         return _load_slot(where, receive, folder)
 
     try:
@@ -62,7 +74,9 @@ def restore(
     return False, exc
 
 
-def restore_with_memfds(outcome: Outcome, inbox: Inbox, pair: FolderPair) -> Tuple[bool, Any]:
+def restore_with_memfds(
+    outcome: Outcome, inbox: Inbox, pair: FolderPair, open_given: Optional[OpenGiven] = None
+) -> Tuple[bool, Any]:
     """Restore ``outcome``, taking the result memfds its worker passed; close any left unclaimed.
 
     :func:`restore` adopts each file once, however many slots name it (two
@@ -78,7 +92,7 @@ def restore_with_memfds(outcome: Outcome, inbox: Inbox, pair: FolderPair) -> Tup
         return fd
 
     try:
-        return restore(outcome, receive, folder=pair)
+        return restore(outcome, receive, folder=pair, open_given=open_given)
     finally:
         # One descriptor came per memfd this outcome names (others of the same memfd
         # belong to other outcomes): close those it did not claim.
@@ -92,6 +106,28 @@ def _load_slot(where: Slot, receive: Optional[Receive], folder: Optional[FolderP
     if where.kind == RESULT:
         return adopt_result(where, receive, folder)
     return _rebuild_reference(where)
+
+
+def map_given(ref: ArrayRef, open_given: Optional[OpenGiven]) -> np.ndarray:
+    """A result that views a file of the parent's own the task was given: that file, mapped copy-on-write.
+
+    No copy and no new file, and still an array of the parent's own, as a
+    copy would be: its writes stay in its private pages, and the file is
+    never written again (dumps and held files are written once; a changed
+    array gets a new file), so a later write to the argument never shows in
+    it. One mapping per slot: results that were distinct arrays in the
+    worker stay independent. The file is opened only through ``open_given``,
+    which finds it among the task's own files by (device, inode): a worker
+    cannot make the parent map any other file.
+    """
+    if open_given is None:
+        raise PermissionError(f"memshare: refusing to map {ref.path!r}: a result names a file it may not")
+    fd = open_given(ref)
+    try:
+        raw = map_descriptor(fd, os.fstat(fd).st_size, "c")
+    finally:
+        os.close(fd)
+    return _view(raw, ref)
 
 
 def _rebuild_reference(ref: ArrayRef) -> np.ndarray:
@@ -203,4 +239,4 @@ def _is_session_folder(directory: os.stat_result, folder: FolderPair) -> bool:
     return False
 
 
-__all__ = ["adopt_result", "restore", "restore_with_memfds"]
+__all__ = ["OpenGiven", "adopt_result", "map_given", "restore", "restore_with_memfds"]

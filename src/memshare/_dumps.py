@@ -160,6 +160,11 @@ class DumpTable:
         self._use(entry, files)
         return _in_mode(entry.ref, mode)
 
+    def ref_at(self, path: str) -> Optional[ArrayRef]:
+        """The reference of the dump file at ``path`` while this table holds it, else None."""
+        entry = self._by_path.get(path)
+        return None if entry is None else entry.ref
+
     def use(self, path: str, files: List[str]) -> None:
         """One more task reads the current dump at ``path``; noted in ``files``."""
         self._use(self._by_path[path], files)

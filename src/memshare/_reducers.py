@@ -42,13 +42,14 @@ pickle out of band.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import marshal
 import pickle
 import struct
 import sys
 import types
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Set, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -154,7 +155,8 @@ class _Pickler(cloudpickle.Pickler):
 def _copy_on_write(reduced: Reduction) -> Reduction:
     """A tensor's reference mapped copy-on-write where the call maps read-only: torch cannot take read-only memory."""
     rebuild, args = reduced
-    if rebuild is _rebuild_input and len(args) == 1 and isinstance(args[0], ArrayRef) and args[0].mode == "r":
+    own = rebuild in (_rebuild_input, _rebuild_own)
+    if own and len(args) == 1 and isinstance(args[0], ArrayRef) and args[0].mode == "r":
         return rebuild, (dataclasses.replace(args[0], mode="c"),)
     return reduced
 
@@ -441,11 +443,16 @@ def _open_envelope(stream: Buffer) -> Tuple[Optional[Tuple[List[Any], List[Any]]
 LoadSlot = Callable[[Slot], np.ndarray]
 
 
+#: In a worker: the (device, inode) of each file the parent gave the task as its own and no worker writes.
+Given = Set[Tuple[int, int]]
+
+
 def unpack(
     stream: Buffer,
     slots: Sequence[Slot] = (),
     load_slot: Optional[LoadSlot] = None,
     loaded_objects: Optional[Dict[Any, Any]] = None,
+    given: Optional[Given] = None,
 ) -> Any:
     """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
 
@@ -458,19 +465,24 @@ def unpack(
     other. The buffers are views of those mappings, no copy; each keeps its
     mapping alive. The argument objects it names are unpickled from their
     dumps, each once per ``loaded_objects`` (one table per task, shared with
-    the payloads of those objects).
+    the payloads of those objects). ``given``, in a worker, collects the
+    files the parent sent as its own (see :func:`own_input_reduction`).
     """
     header, body = _open_envelope(stream)
-    if not slots and header is None:
+    if not slots and header is None and given is None:
         return pickle.loads(body)
     slot = _Slots(slots, load_slot)
     buffers, objects = None, None
     if header is not None:
         placeholders, object_placeholders = header
-        buffers = [memoryview(_rebuild_input(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
-        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects)
+        # An argument's buffers are the session's own dumps (or kept buffers), like its arrays'.
+        rebuild = _rebuild_input if given is None else functools.partial(_rebuild_given, given)
+        buffers = [memoryview(rebuild(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
+        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects, given)
     # A bytes body is shared by BytesIO; a view (a mapped dump) is read in place, not copied.
     file = io.BytesIO(body) if type(body) is bytes else ViewReader(body)
+    if given is not None:
+        return _GivenUnpickler(file, slot, buffers, objects, given).load()
     return _SlotUnpickler(file, slot, buffers, objects).load()
 
 
@@ -505,9 +517,12 @@ class _Objects:
     index there: two equal payloads are still two objects).
     """
 
-    def __init__(self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any]) -> None:
+    def __init__(
+        self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any], given: Optional[Given] = None
+    ) -> None:
         self._placeholders = placeholders
         self._loaded = loaded  # dump path, or ("inline", index) -> the object unpickled from it in this task
+        self._given = given
 
     def __call__(self, index: int) -> Any:
         placeholder = self._placeholders[index]
@@ -515,7 +530,7 @@ class _Objects:
         if key not in self._loaded:
             # The dump of the object's payload, mapped read-only through the worker's cache; or the payload.
             payload = _rebuild_input(placeholder) if isinstance(placeholder, ArrayRef) else placeholder
-            self._loaded[key] = unpack(payload, loaded_objects=self._loaded)
+            self._loaded[key] = unpack(payload, loaded_objects=self._loaded, given=self._given)
         return self._loaded[key]
 
 
@@ -539,14 +554,56 @@ class _SlotUnpickler(pickle.Unpickler):
         return self._slot(pid)
 
 
+class _GivenUnpickler(_SlotUnpickler):
+    """A worker's unpickler of a task: notes in ``given`` each file the parent sent as its own."""
+
+    def __init__(
+        self,
+        file: Union[io.BytesIO, ViewReader],
+        slot: _Slots,
+        buffers: Optional[List[memoryview]],
+        objects: Optional[_Objects],
+        given: Given,
+    ) -> None:
+        super().__init__(file, slot, buffers, objects)
+        self._given = given
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if found is _rebuild_own:
+            return functools.partial(_rebuild_given, self._given)
+        return found
+
+
 def _rebuild_input(ref: ArrayRef) -> np.memmap:
     """In a worker: the shared array, mapped through the process's cache."""
+    return array_from_ref(ref, cached=True)
+
+
+def _rebuild_own(ref: ArrayRef) -> np.memmap:
+    """In a worker: an array in a file of the parent's own (see :func:`own_input_reduction`)."""
+    return array_from_ref(ref, cached=True)
+
+
+def _rebuild_given(given: Given, ref: ArrayRef) -> np.memmap:
+    """:func:`_rebuild_own`, noting the file in ``given`` when no worker writes it (read-only, copy-on-write)."""
+    if ref.mode in ("r", "c"):
+        given.add((ref.device, ref.inode))
     return array_from_ref(ref, cached=True)
 
 
 def input_reduction(ref: ArrayRef) -> Reduction:
     """How a task argument found in the file at ``ref`` is pickled: the worker maps it on unpickling."""
     return _rebuild_input, (ref,)
+
+
+def own_input_reduction(ref: ArrayRef) -> Reduction:
+    """:func:`input_reduction` for a file of the sender's own (its dump, an array held once).
+
+    The sender keeps such a file until the task's outcome is restored, so a
+    result that views it can come back as that file (``_routes.INPUT_FILE``).
+    """
+    return _rebuild_own, (ref,)
 
 
 def by_value(array: np.ndarray) -> None:
@@ -577,8 +634,10 @@ __all__ = [
     "ReduceBuffer",
     "Reduction",
     "ResultSlots",
+    "Given",
     "by_value",
     "input_reduction",
+    "own_input_reduction",
     "pack",
     "pack_result",
     "plain_call",

@@ -4,15 +4,16 @@ Every large array of the return value, and every view of a file mapping,
 becomes a *slot*: the stream holds its number only, and
 :attr:`ResultPolicy.slots` says where its data is once the task's results
 are written and sent: a result file the parent adopts, the worker's own
-shared array handed over, the user's file mapping to view, or the array
-itself when no file had room. Small arrays are pickled in the stream.
+shared array handed over, the user's file mapping to view, a file the
+parent gave the task (a view of its argument: the parent maps that file
+copy-on-write), or the array itself when no file had room. Small arrays are pickled in the stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Dict, List, Optional, Tuple
+from typing import AbstractSet, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -21,9 +22,18 @@ from ._handoff_worker import Moved, ResultHandover, descriptor_limit_explained
 from ._protocol import ResultSpec, Slot
 from ._refs import ArrayRef, data_address
 from ._result_files import MadeFiles, PendingResults, create_result_file
-from ._routes import HAND_OVER, OUT_OF_BAND, REFERENCE, RESULT_FILE, buffer_route, copied_route, result_route
+from ._routes import (
+    HAND_OVER,
+    INPUT_FILE,
+    OUT_OF_BAND,
+    REFERENCE,
+    RESULT_FILE,
+    buffer_route,
+    copied_route,
+    result_route,
+)
 from ._shared_store import lookup_shared
-from ._stats import REFERENCED, log_decision
+from ._stats import REFERENCED, RETURNED_INPUT, log_decision
 
 
 class ResultPolicy:
@@ -40,8 +50,10 @@ class ResultPolicy:
     anything fails.
     """
 
-    def __init__(self, spec: ResultSpec) -> None:
+    def __init__(self, spec: ResultSpec, given: AbstractSet[Tuple[int, int]] = frozenset()) -> None:
+        """``given``: the (device, inode) of the files the parent sent this task as its own, which no worker writes."""
         self.spec = spec
+        self._given = given
         self.slots: List[Optional[Slot]] = []  # None until the slot's file is written
         self._slot_by_id: Dict[int, int] = {}  # the same array twice is one slot
         # Arrays sent by reference or handed over, held while pickling so that
@@ -115,7 +127,7 @@ class ResultPolicy:
         slot = self._slot_by_id.get(id(array))
         if slot is not None:
             return slot
-        route = result_route(array, self.spec.max_nbytes, _owned_here)
+        route = result_route(array, self.spec.max_nbytes, _owned_here, self._was_given)
         if route.kind == HAND_OVER:
             handed = self._handover.hand_over(route.ref)
             if handed is not None:
@@ -126,6 +138,11 @@ class ResultPolicy:
             log_decision(REFERENCED, array, route.ref.path)
             self._held.append(array)
             return self._new_slot(array, route.ref)
+        if route.kind == INPUT_FILE:
+            # The parent still holds the file: it keeps the task's files until the outcome is restored.
+            log_decision(RETURNED_INPUT, array, route.ref.path)
+            self._held.append(array)
+            return self._new_slot(array, route.ref)
         if route.kind != RESULT_FILE:
             return None
         ref = create_result_file(self._result_folder(), array)
@@ -133,6 +150,9 @@ class ResultPolicy:
         slot = self._new_slot(array, None)
         self._pending.add(slot, ref, array)
         return slot
+
+    def _was_given(self, ref: ArrayRef) -> bool:
+        return (ref.device, ref.inode) in self._given
 
     def _result_folder(self) -> FolderPair:
         """Where the next result file goes: a memfd while the parent can take it and the cap allows."""

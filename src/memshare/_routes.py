@@ -20,6 +20,7 @@ import numpy as np
 from ._held_once import mode_unfit_reason
 from ._refs import (
     DUMP,
+    HELD,
     SHARED,
     USER,
     ArrayRef,
@@ -61,6 +62,12 @@ HAND_OVER = "hand-over"
 RESULT_FILE = "result-file"
 #: Small arrays, object dtypes, empty arrays: in the stream.
 BY_VALUE = "by-value"
+#: A large view of a file the parent gave this task and no worker writes (its dump, or an array held
+#: once, mapped read-only): the parent maps that file copy-on-write; no copy, no new file.
+INPUT_FILE = "input-file"
+#: A result comes back as its argument's file only while that file is at most this many times the
+#: result's size: the result keeps the whole file alive (a dump past the call's end, say).
+FILE_PER_RESULT = 8
 # Argument objects (object_route):
 #: An argument object that pickles to at least ``max_nbytes``: pickled once per call into a
 #: dump, which each task that passes it unpickles (a fresh object per task).
@@ -208,11 +215,22 @@ def buffer_route(nbytes: int, contiguous: bool, max_nbytes: Optional[int]) -> Ro
     return Route(OUT_OF_BAND)
 
 
-def result_route(array: np.ndarray, max_nbytes: Optional[int], owned_here: Callable[[ArrayRef], bool]) -> Route:
+def result_route(
+    array: np.ndarray,
+    max_nbytes: Optional[int],
+    owned_here: Callable[[ArrayRef], bool],
+    given: Callable[[ArrayRef], bool] = lambda ref: False,
+) -> Route:
     """How a worker's return value travels back to the parent.
 
     ``owned_here`` tells whether a reference is to a shared array this
-    process allocated (and can hand over).
+    process allocated (and can hand over); ``given`` whether it is to a file
+    the parent gave this task as its own (a dump, an array held once) and
+    no worker writes: the parent still holds it until the outcome is
+    restored, and maps it copy-on-write. Such a view comes back as that
+    file when it would otherwise be a result file and is at least a
+    ``FILE_PER_RESULT``-th of the file (the worker maps the whole file, the
+    root of the view's chain of bases).
     """
     if array.dtype.hasobject or array.nbytes == 0:
         return Route(BY_VALUE)
@@ -221,9 +239,14 @@ def result_route(array: np.ndarray, max_nbytes: Optional[int], owned_here: Calla
         return Route(HAND_OVER, ref=ref)
     if ref is not None and ref.kind in (USER, SHARED):
         return Route(REFERENCE, ref=ref)
-    # A view of a temporary dump (or of anything else) must come back as
-    # independent memory: the dump is deleted when the call ends.
-    return copied_route(array, max_nbytes)
+    copied = copied_route(array, max_nbytes)
+    if ref is not None and ref.kind in (DUMP, HELD) and copied.kind == RESULT_FILE and given(ref):
+        if FILE_PER_RESULT * array.nbytes >= root_array(array).nbytes:
+            return Route(INPUT_FILE, ref=ref)
+    # A view of another dump (kept from an earlier task, or another process's)
+    # or of anything else comes back as independent memory: that dump may be
+    # deleted before the outcome is restored.
+    return copied
 
 
 def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:

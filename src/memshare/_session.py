@@ -14,12 +14,13 @@ import functools
 import itertools
 import os
 import pickle
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _forksafe, _held_once
+from . import _forksafe, _held_once, _memfd
 from ._adopt import restore, restore_with_memfds
 from ._config import Settings
 from ._dumps import DumpTable
@@ -32,8 +33,8 @@ from ._kept_buffers import KeptIn
 from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments
 from ._protocol import Outcome, ResultSpec, Task
-from ._reducers import Reducers, Reduction, input_reduction, pack, plain_call
-from ._refs import SHARED, ArrayRef, data_address, root_array
+from ._reducers import Reducers, Reduction, input_reduction, own_input_reduction, pack, plain_call
+from ._refs import RESULT, SHARED, ArrayRef, data_address, root_array
 from ._routes import (
     DUMP_BASE,
     OWN_DUMP,
@@ -206,30 +207,74 @@ class Session:
             self._release_record(record)
 
     def finish(self, outcome: Outcome) -> Tuple[bool, Any]:
-        """Release a finished task's files and restore its result or exception.
+        """Restore a finished task's result or exception, then release its files.
 
+        The files go after the restore: a result that views one of them (the
+        task returned its argument) is mapped from it first (``_adopt.map_given``).
         The worker leaves warnings about its results to the parent (its own
         would go to its stderr, out of the caller's ``warnings`` filters):
         results that went to the disk fallback, or by value, warn here, once
         per call like inputs, and are counted.
         """
-        self.task_done(outcome.token)
-        files, by_value = outcome.result_files(), outcome.by_value()
-        pair = self.folder.pair
-        on_disk = [ref.nbytes for ref in files if pair.is_fallback(ref.path)]
-        self.stats.add(
-            results_by_reference=len(files),
-            bytes_results_by_reference=sum(ref.nbytes for ref in files),
-            fallback_files=len(on_disk),
-            results_pickled_no_room=len(by_value),
-        )
-        if on_disk:
-            warn_fallback(pair.primary, pair.fallback, max(on_disk), stacklevel=2)
-        if by_value:
-            warn_result_pickled(pair, max(array.nbytes for array in by_value))
-        if self._inbox is None:
-            return restore(outcome, folder=self.folder.pair)
-        return restore_with_memfds(outcome, self._inbox, self.folder.pair)
+        try:
+            files, by_value = outcome.result_files(), outcome.by_value()
+            in_place = [ref for ref in outcome.slots if isinstance(ref, ArrayRef) and ref.kind != RESULT]
+            pair = self.folder.pair
+            on_disk = [ref.nbytes for ref in files if pair.is_fallback(ref.path)]
+            self.stats.add(
+                results_by_reference=len(files),
+                bytes_results_by_reference=sum(ref.nbytes for ref in files),
+                results_of_inputs=len(in_place),
+                bytes_results_of_inputs=sum(ref.nbytes for ref in in_place),
+                fallback_files=len(on_disk),
+                results_pickled_no_room=len(by_value),
+            )
+            if on_disk:
+                warn_fallback(pair.primary, pair.fallback, max(on_disk), stacklevel=2)
+            if by_value:
+                warn_result_pickled(pair, max(array.nbytes for array in by_value))
+            open_given = functools.partial(self._open_given, outcome.token)
+            if self._inbox is None:
+                return restore(outcome, folder=self.folder.pair, open_given=open_given)
+            return restore_with_memfds(outcome, self._inbox, self.folder.pair, open_given)
+        finally:
+            self.task_done(outcome.token)
+
+    def _open_given(self, token: int, ref: ArrayRef) -> int:
+        """A new descriptor of the file of ``ref``, found among the files the pending task ``token`` was given.
+
+        Found by (device, inode) among the task's dumps and held files, and
+        opened through the session's own record of it (a memfd: a duplicate
+        of the descriptor this process holds; a named file: its path, without
+        following links, checked to be that file), never through the path the
+        worker sent: a worker can make the parent map only the parent's own
+        files that its task reads. Taken with the lock held: the task is
+        pending until its outcome is restored, so the file cannot go meanwhile.
+        """
+        identity = (ref.device, ref.inode)
+        with self._lock:
+            record = self._tasks.get(token)
+            own = None
+            if record is not None:
+                candidates = [self._dumps.ref_at(path) for path in record.files]
+                candidates += [file.ref for _, file in record.held_once]
+                own = next((c for c in candidates if c is not None and (c.device, c.inode) == identity), None)
+            if own is None:
+                raise PermissionError(
+                    f"memshare: refusing to map {ref.path!r}: a result names a file that its task was not given"
+                )
+            if _memfd.is_memfd_path(own.path):
+                fd = _memfd.duplicate(own.path)
+            else:
+                fd = os.open(own.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or not own.is_file(info):
+                raise FileNotFoundError(f"memshare: {own.path!r} was replaced since it was shared")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def task_done(self, token: int) -> None:
         """The task ``token`` will not read its inputs any more (done or abandoned)."""
@@ -303,12 +348,13 @@ class Session:
                 self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
                 log_decision(REFERENCED, array, route.ref.path)
             return input_reduction(route.ref)
+        # The session's own files from here: kept until the task's outcome is restored (see finish).
         if route.kind == OWN_DUMP:
             self._dumps.use(route.ref.path, record.files)
-            return input_reduction(route.ref)
+            return own_input_reduction(route.ref)
         if route.kind == DUMP_BASE:
-            return input_reduction(view_in_dump(array, route.source, self._dump(route, record)))
-        return input_reduction(self._dump(route, record))
+            return own_input_reduction(view_in_dump(array, route.source, self._dump(route, record)))
+        return own_input_reduction(self._dump(route, record))
 
     def _first_sight(self, array: np.ndarray) -> bool:
         if array in self._seen:

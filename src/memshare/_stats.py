@@ -27,6 +27,7 @@ PICKLED = "pickled"
 REUSED = "reused"
 HELD_ONCE = "held once"
 NOT_HELD_ONCE = "not held once"
+RETURNED_INPUT = "returned by reference to its input"
 
 
 @dataclass
@@ -48,6 +49,10 @@ class CallStats:
     bytes_pickled: int = 0
     results_by_reference: int = 0
     bytes_results_by_reference: int = 0
+    # Results that are memory the parent had in a file already, back with no copy and no new file:
+    # views of an argument's dump or of an array held once (mapped copy-on-write), of a shared array, of a memmap.
+    results_of_inputs: int = 0
+    bytes_results_of_inputs: int = 0
     tasks: int = 0
     fallback_files: int = 0  # arrays and results written to the disk fallback
     arrays_held_once: int = 0  # arrays held once: their memory is now their shared file
@@ -85,7 +90,8 @@ class CallStats:
             f"{self.buffers_pickled} pickled ({_mib(self.bytes_buffers_pickled)}); "
             f"{self.objects_dumped} argument objects pickled once ({_mib(self.bytes_objects_dumped)}); "
             f"{self.results_by_reference} results returned by reference "
-            f"({_mib(self.bytes_results_by_reference)})"
+            f"({_mib(self.bytes_results_by_reference)}), "
+            f"{self.results_of_inputs} as memory the parent had ({_mib(self.bytes_results_of_inputs)})"
         )
 
 
@@ -174,7 +180,11 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     Keys: ``arrays_dumped``, ``bytes_dumped``, ``dump_seconds``,
     ``arrays_referenced``, ``bytes_referenced``, ``arrays_pickled``,
     ``bytes_pickled``, ``results_by_reference``,
-    ``bytes_results_by_reference``, ``tasks``, ``fallback_files`` (arrays
+    ``bytes_results_by_reference`` (results that came back through a new
+    shared file), ``results_of_inputs`` and ``bytes_results_of_inputs``
+    (results that are memory the parent had in a file already, with no copy
+    and no new file: a view of an argument's dump or of an array held once,
+    mapped copy-on-write, or of a shared array or a memmap), ``tasks``, ``fallback_files`` (arrays
     and results written to the disk fallback because shared memory was
     full), ``results_pickled_no_room`` (results sent back by value because
     no file had room), ``arrays_held_once`` and ``bytes_held_once`` (arrays

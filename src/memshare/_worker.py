@@ -22,7 +22,7 @@ from ._errors import UnpicklableResultError
 from ._mapping import prune_mappings
 from ._owners import process_start_time
 from ._protocol import Failure, Outcome, Task
-from ._reducers import Reducers, by_value, pack, pack_result, plain_stream, unpack
+from ._reducers import Given, Reducers, by_value, pack, pack_result, plain_stream, unpack
 from ._refs import USER, kind_of_path
 from ._result_policy import ResultPolicy
 
@@ -42,8 +42,9 @@ def run_task(task: Task) -> Outcome:
     spec, token = task.results, task.token
     prune_mappings()  # let go of files earlier calls deleted before mapping new ones
     prune_received()  # and of broadcasts the parent dropped
+    given: Given = set()  # the parent's own files this task was sent: results viewing them need no copy
     try:
-        value = _call(task.stream)
+        value = _call(task.stream, given)
         ok = True
     except BaseException as exc:  # KeyboardInterrupt too: its type must reach the caller
         ok, value = False, Failure(exc, traceback.format_exc())
@@ -51,7 +52,7 @@ def run_task(task: Task) -> Outcome:
     plain = plain_stream(value) if ok else None
     if plain is not None:  # nothing that could travel outside the stream: no result policy
         return Outcome(token=token, ok=True, stream=plain)
-    policy = ResultPolicy(spec)
+    policy = ResultPolicy(spec, given)
     what = type(value if ok else value.exception).__name__
     try:
         stream = pack_result(value, policy, _result_reducers)
@@ -68,10 +69,10 @@ def run_task(task: Task) -> Outcome:
     return Outcome(token=token, ok=ok, stream=stream, slots=tuple(policy.slots))
 
 
-def _call(stream: bytes):
+def _call(stream: bytes, given: Given):
     # A function of its own, so that the function and its arguments are gone
     # when it returns: a result they still referenced could not be released.
-    func, args, kwargs = unpack(stream)
+    func, args, kwargs = unpack(stream, given=given)
     try:
         return func(*args, **kwargs)
     except ValueError as exc:
