@@ -282,7 +282,7 @@ def held_file_of(tensor) -> str:
     return path
 
 
-def test_a_tensor_is_held_once_and_a_change_moves_it_to_a_new_file():
+def test_a_tensor_is_held_once_and_a_change_moves_it_to_a_new_file(default_location):
     X = big_tensor()
     with Parallel(n_jobs=2, max_nbytes=LIMIT) as parallel:
         first = parallel(delayed(checksum)(X) for _ in range(4))
@@ -323,3 +323,14 @@ def total_of(value) -> float:
 
 def send(value) -> list:
     return Parallel(n_jobs=2, max_nbytes=LIMIT)(delayed(total_of)(value) for _ in range(2))
+
+
+@pytest.mark.parametrize("end", [fail_with, die_with], ids=["task error", "killed worker"])
+def test_nothing_is_left_of_a_tensor_held_once_after_a_failed_call(default_location, end):
+    X = big_tensor()  # 64 MiB: above glibc's largest mmap threshold, so a chunk of its own, which can be held once
+    with pytest.raises((ValueError, memshare.WorkerDiedError)):
+        run("Parallel", end, [(X,)] * 4)
+    assert "memshare-held" in held_file_of(X)
+    del X
+    gc.collect()
+    assert memfds_held() == []
