@@ -73,3 +73,17 @@ def test_loky_named_explicitly_warns_for_a_shared_array_inside_a_tuple():
         memshare.Parallel(n_jobs=2)(memshare.delayed(len)([(out, 0)]) for _ in range(2))
     copied = _copied_warnings(caught)
     assert len(copied) == 2 and "'loky'" in str(copied[0].message), [str(w.message) for w in caught]
+
+
+def test_dask_workers_in_this_process_share_the_array_and_say_nothing():
+    out = memshare.zeros(4)
+    with (
+        distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster,
+        distributed.Client(cluster),
+        joblib.parallel_config(backend="dask"),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            memshare.Parallel()(memshare.delayed(fill)(out, i) for i in range(4))
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert _copied_warnings(caught) == [], [str(w.message) for w in caught]

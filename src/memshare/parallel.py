@@ -110,9 +110,18 @@ def _copying_backend_name(backend: Any) -> Optional[str]:
 
 
 def _runs_here(backend: Any, n_jobs: Any) -> bool:
-    """True when joblib runs the call in this process: one job (joblib then calls no worker)."""
+    """True when the call's tasks run in this process, with its memory.
+
+    One job (joblib then calls no worker), or a Dask cluster whose workers
+    all run in this process (``LocalCluster(processes=False)``: addresses
+    ``inproc://``), where tasks get the arguments themselves.
+    """
     try:
-        return backend.effective_n_jobs(n_jobs) == 1
+        if backend.effective_n_jobs(n_jobs) == 1:
+            return True
+        client = getattr(backend, "client", None)
+        workers = list(client.scheduler_info()["workers"]) if client is not None else []
+        return bool(workers) and all(str(address).startswith("inproc://") for address in workers)
     except Exception:  # a backend that cannot tell: its workers may get copies
         return False
 
