@@ -41,7 +41,9 @@ def test_grid_search_and_cross_val_match_joblib(data):
     np.testing.assert_allclose(scores, ref_scores)
     ref, ours = run_both(lambda: cross_val_score(LogisticRegression(max_iter=200), X, y, cv=3, n_jobs=-1))
     np.testing.assert_allclose(ours, ref)
-    assert memshare.last_call_stats()["arrays_dumped"] >= 1
+    stats = memshare.last_call_stats()
+    # X went to shared memory: held once where glibc gave it a mapping of its own, else dumped.
+    assert stats["arrays_dumped"] + stats["arrays_held_once"] >= 1, stats
 
 
 def test_random_forest_and_permutation_importance_match_joblib(data):
