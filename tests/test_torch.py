@@ -334,3 +334,23 @@ def test_nothing_is_left_of_a_tensor_held_once_after_a_failed_call(default_locat
     del X
     gc.collect()
     assert memfds_held() == []
+
+
+def write_row(tensor, index: int) -> float:
+    tensor[index] = -1.0
+    return float(tensor[:, 0].sum())
+
+
+@pytest.mark.parametrize("mode", ["r", "c", "r+", "w+"])
+def test_a_task_may_write_into_its_tensor_under_every_mode_and_the_parents_never_changes(shm_dir, mode):
+    X = torch.ones(1024, 1024)
+    seen = Parallel(n_jobs=2, max_nbytes=LIMIT, mmap_mode=mode, batch_size=1)(
+        delayed(write_row)(X, i) for i in range(4)
+    )
+    if mode in ("r", "c"):
+        assert seen == [1022.0] * 4  # each task's write its own
+    else:
+        assert all(value <= 1022.0 for value in seen), seen  # the call's tasks share their dump, as arrays do
+    assert float(X.sum()) == X.numel()
+    del X
+    assert leaks(shm_dir) == []
