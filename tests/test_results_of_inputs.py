@@ -200,6 +200,20 @@ def test_a_view_of_the_argument_kept_from_an_earlier_task_is_copied():
     np.testing.assert_array_equal(kept, x)
 
 
+def array_of(obj):
+    return obj["x"]
+
+
+def test_an_array_inside_an_argument_object_comes_back(default_location):
+    # The object's dump, not the task, keeps the dumps its payload names: such a view is copied, never refused.
+    x = np.arange(300_000.0)
+    obj = {"x": x, "text": "a" * 2**21}
+    results = Parallel(n_jobs=2, batch_size=1)(delayed(array_of)(obj) for _ in range(4))
+    assert memshare.last_call_stats()["objects_dumped"] == 1
+    for result in results:
+        np.testing.assert_array_equal(result, x)
+
+
 _kept = []
 
 
@@ -245,7 +259,10 @@ def test_an_outcome_naming_a_file_its_task_was_not_given_is_refused(session, tmp
     x, y = np.arange(300_000.0), np.ones(300_000)
     given = run_task(session.pack_task(whole, (x,)))
     other = session.pack_task(whole, (y,))
-    # The session's own dump, but another task's: refused for this one.
+    # A dump of the session, but another task's, gone since (that task done, its array collected): refused.
+    session.task_done(given.token)
+    del x
+    gc.collect()
     ok, error = session.finish(dataclasses.replace(given, token=other.token))
     assert not ok and isinstance(error, PermissionError) and "was not given" in str(error)
     # Any other file, whatever its kind says: refused, not opened.

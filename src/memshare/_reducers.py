@@ -469,8 +469,8 @@ def unpack(
     files the parent sent as its own (see :func:`own_input_reduction`).
     """
     header, body = _open_envelope(stream)
-    if not slots and header is None and given is None:
-        return pickle.loads(body)
+    if not slots and header is None and (given is None or (type(body) is bytes and _OWN_NAME not in body)):
+        return pickle.loads(body)  # no file of the sender's own can be met: pickle names its rebuilder
     slot = _Slots(slots, load_slot)
     buffers, objects = None, None
     if header is not None:
@@ -478,7 +478,7 @@ def unpack(
         # An argument's buffers are the session's own dumps (or kept buffers), like its arrays'.
         rebuild = _rebuild_input if given is None else functools.partial(_rebuild_given, given)
         buffers = [memoryview(rebuild(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
-        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects, given)
+        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects)
     # A bytes body is shared by BytesIO; a view (a mapped dump) is read in place, not copied.
     file = io.BytesIO(body) if type(body) is bytes else ViewReader(body)
     if given is not None:
@@ -517,12 +517,9 @@ class _Objects:
     index there: two equal payloads are still two objects).
     """
 
-    def __init__(
-        self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any], given: Optional[Given] = None
-    ) -> None:
+    def __init__(self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any]) -> None:
         self._placeholders = placeholders
         self._loaded = loaded  # dump path, or ("inline", index) -> the object unpickled from it in this task
-        self._given = given
 
     def __call__(self, index: int) -> Any:
         placeholder = self._placeholders[index]
@@ -530,7 +527,9 @@ class _Objects:
         if key not in self._loaded:
             # The dump of the object's payload, mapped read-only through the worker's cache; or the payload.
             payload = _rebuild_input(placeholder) if isinstance(placeholder, ArrayRef) else placeholder
-            self._loaded[key] = unpack(payload, loaded_objects=self._loaded, given=self._given)
+            # Not ``given``: the dumps an object's payload names are the object's (its dump keeps them), not
+            # the task's, so the parent would not find them among the task's files.
+            self._loaded[key] = unpack(payload, loaded_objects=self._loaded)
         return self._loaded[key]
 
 
@@ -595,6 +594,10 @@ def _rebuild_given(given: Given, ref: ArrayRef) -> np.memmap:
 def input_reduction(ref: ArrayRef) -> Reduction:
     """How a task argument found in the file at ``ref`` is pickled: the worker maps it on unpickling."""
     return _rebuild_input, (ref,)
+
+
+#: What a stream that rebuilds a file of the sender's own holds: the name of the rebuilder.
+_OWN_NAME = _rebuild_own.__name__.encode()
 
 
 def own_input_reduction(ref: ArrayRef) -> Reduction:

@@ -243,8 +243,8 @@ class Session:
     def _open_given(self, token: int, ref: ArrayRef) -> int:
         """A new descriptor of the file of ``ref``, found among the files the pending task ``token`` was given.
 
-        Found by (device, inode) among the task's dumps and held files, and
-        opened through the session's own record of it (a memfd: a duplicate
+        Found by (device, inode) among the task's dumps and held files (or
+        the session's current dumps), and opened through the session's own record of it (a memfd: a duplicate
         of the descriptor this process holds; a named file: its path, without
         following links, checked to be that file), never through the path the
         worker sent: a worker can make the parent map only the parent's own
@@ -258,6 +258,9 @@ class Session:
             if record is not None:
                 candidates = [self._dumps.ref_at(path) for path in record.files]
                 candidates += [file.ref for _, file in record.held_once]
+                # Or a current dump of the session that the task reads through another (an argument
+                # object's dump keeps those its payload names): the session's own, alive while the lock is held.
+                candidates.append(self._dumps.ref_at(ref.path))
                 own = next((c for c in candidates if c is not None and (c.device, c.inode) == identity), None)
             if own is None:
                 raise PermissionError(
