@@ -27,7 +27,7 @@ import pickle
 import secrets
 import struct
 import weakref
-from typing import Any, Deque, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Deque, Dict, Generic, List, Optional, Set, Tuple, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -106,7 +106,7 @@ def broadcast(obj: T) -> Broadcast[T]:
     for buffer in buffers:
         buffer.release()
     token = secrets.token_hex(16)
-    drops = _drop_log()
+    drops = _drop_log(token)
     # When the file goes (the last view of the data collected), workers are told.
     weakref.finalize(_mapping_of(data), drops.add, token)
     shared = Broadcast(obj, data, token, drops.address)
@@ -146,12 +146,17 @@ class _DropLog:
     A shared array: a count of drops, then the last ``DROP_SLOTS`` tokens. The
     slot is written before the count is raised, and a reader that finds the
     count moved more than ``DROP_SLOTS`` past what it read last (the ring
-    went round) checks every copy instead. One per process, made by its
-    first broadcast; a forked child makes its own.
+    went round) checks every copy instead. One per process at a time, made
+    by a broadcast when there is none, and let go of once every broadcast it
+    logs has been dropped (its file goes; workers keep their own mappings,
+    which already show every drop); a forked child makes its own.
     """
 
     def __init__(self) -> None:
         self.array = new_shared_array((_DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES,), np.dtype(np.uint8), "C")
+        # Tokens of this log's broadcasts whose file still exists. A set: add and discard are atomic, so a
+        # finalizer running inside another thread's bookkeeping needs no lock for it.
+        self.live: Set[str] = set()
         self._lock = _forksafe.lock()
         self._pending: Deque[str] = collections.deque()
         self._pid = os.getpid()
@@ -179,9 +184,13 @@ class _DropLog:
                 return
             try:
                 while self._pending:
-                    self._write(self._pending.popleft())
+                    token = self._pending.popleft()
+                    self._write(token)
+                    self.live.discard(token)
             finally:
                 self._lock.release()
+        if not self.live:
+            _let_go_of_log(self)
 
     def _write(self, token: str) -> None:
         (count,) = _DROP_COUNT.unpack_from(self.array, 0)
@@ -219,12 +228,31 @@ _drops: Optional[_DropLog] = None
 _drops_lock = _forksafe.lock()
 
 
-def _drop_log() -> _DropLog:
+def _drop_log(token: str) -> _DropLog:
+    """The process's drop log, made if there is none, now logging the broadcast ``token``."""
     global _drops
     with _drops_lock:
         if _drops is None:
             _drops = _DropLog()
+        _drops.live.add(token)
         return _drops
+
+
+def _let_go_of_log(log: _DropLog) -> None:
+    """``log`` logs no live broadcast: the next broadcast makes a new one, and its file goes.
+
+    Called from a finalizer, perhaps while this thread holds the lock inside
+    ``_drop_log``: it does not wait for the lock, and a log it cannot let go
+    of now stays until its next drop or the process's end.
+    """
+    global _drops
+    if not _drops_lock.acquire(blocking=False):
+        return
+    try:
+        if _drops is log and not log.live:
+            _drops = None
+    finally:
+        _drops_lock.release()
 
 
 class _Sent:
