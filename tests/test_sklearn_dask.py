@@ -1,11 +1,15 @@
 """scikit-learn's n_jobs on the memshare backend, and Dask pass-through."""
 
+import subprocess
+import sys
+
 import joblib
 import numpy as np
 import pytest
+from conftest import without_location_settings
 
 import memshare  # noqa: F401  (registers the backend)
-from memshare import Parallel, _held_once, delayed
+from memshare import _held_once
 
 sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import make_classification  # noqa: E402
@@ -59,15 +63,31 @@ def test_random_forest_and_permutation_importance_match_joblib(data):
     np.testing.assert_allclose(imp, ref_imp)
 
 
-def test_dask_backend_passes_through():
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(
-        n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None
-    ) as cluster:
-        with distributed.Client(cluster), joblib.parallel_config(backend="dask"):
-            # joblib registers "dask" when a parallel_config names it.
-            out = Parallel()(delayed(np.sum)(np.full(10, i)) for i in range(4))
-            shared = memshare.share(np.arange(6.0))
-            total = Parallel()(delayed(np.sum)(shared) for _ in range(2))
-    assert [int(x) for x in out] == [0, 10, 20, 30]
-    assert total == [15.0, 15.0]
+DASK_PASS_THROUGH = """
+import distributed, joblib
+import numpy as np
+import memshare
+from memshare import Parallel, delayed
+
+if __name__ == "__main__":
+    cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None)
+    with cluster, distributed.Client(cluster), joblib.parallel_config(backend="dask"):
+        # joblib registers "dask" when a parallel_config names it.
+        out = Parallel()(delayed(np.sum)(np.full(10, i)) for i in range(4))
+        shared = memshare.share(np.arange(6.0))
+        total = Parallel()(delayed(np.sum)(shared) for _ in range(2))
+    print([int(x) for x in out], [float(x) for x in total])
+"""
+
+
+def test_dask_backend_passes_through(tmp_path):
+    pytest.importorskip("distributed")
+    # In a fresh interpreter: the in-process cluster keeps the tasks' arguments (the shared array among
+    # them) past the call, which this process's later "nothing left" checks would count.
+    script = tmp_path / "dask_pass_through.py"
+    script.write_text(DASK_PASS_THROUGH)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=without_location_settings()
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[0, 10, 20, 30] [15.0, 15.0]", run.stdout
