@@ -9,14 +9,12 @@ of such a backend takes a writable shared array.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import joblib
 import numpy as np
 import pytest
-from conftest import without_location_settings
+from conftest import run_script
 
 import memshare
 
@@ -101,13 +99,8 @@ if __name__ == "__main__":
 """
 
 
-def test_dask_workers_in_this_process_share_the_array_and_say_nothing(tmp_path):
+def test_dask_workers_in_this_process_share_the_array_and_say_nothing():
     # In a fresh interpreter: an in-process cluster keeps the task's arguments (the shared array among
     # them) past the call, which this process's later "nothing left" checks would count.
-    script = tmp_path / "in_process.py"
-    script.write_text(IN_PROCESS_CLUSTER)
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=without_location_settings()
-    )
-    assert run.returncode == 0, run.stderr
+    run = run_script(IN_PROCESS_CLUSTER, timeout=240)
     assert run.stdout.strip().splitlines()[-1] == "[1.0, 2.0, 3.0, 4.0] 0", run.stdout

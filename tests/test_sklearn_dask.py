@@ -1,12 +1,9 @@
 """scikit-learn's n_jobs on the memshare backend, and Dask pass-through."""
 
-import subprocess
-import sys
-
 import joblib
 import numpy as np
 import pytest
-from conftest import without_location_settings
+from conftest import run_script
 
 import memshare  # noqa: F401  (registers the backend)
 from memshare import _held_once
@@ -80,14 +77,9 @@ if __name__ == "__main__":
 """
 
 
-def test_dask_backend_passes_through(tmp_path):
+def test_dask_backend_passes_through():
     pytest.importorskip("distributed")
     # In a fresh interpreter: the in-process cluster keeps the tasks' arguments (the shared array among
     # them) past the call, which this process's later "nothing left" checks would count.
-    script = tmp_path / "dask_pass_through.py"
-    script.write_text(DASK_PASS_THROUGH)
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=without_location_settings()
-    )
-    assert run.returncode == 0, run.stderr
+    run = run_script(DASK_PASS_THROUGH, timeout=240)
     assert run.stdout.strip().splitlines()[-1] == "[0, 10, 20, 30] [15.0, 15.0]", run.stdout
