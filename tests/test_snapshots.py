@@ -203,3 +203,24 @@ def test_a_memmap_whose_file_was_replaced_sends_its_own_values(tmp_path, front, 
         with MemmappingPool(2, max_nbytes="1K", mmap_mode=mode) as pool:
             seen = pool.map(first_value, [mapped, mapped])
     assert seen == [float(mapped[0])] * 2 == [1.0, 1.0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/map_files"), reason="Linux's /proc tells a mapping's file")
+@pytest.mark.parametrize("split", [False, True], ids=["one region", "split region"])
+def test_a_memmap_is_sent_by_reference_only_while_its_path_names_its_file(tmp_path, split):
+    # One stat of /proc/self/map_files tells while the kernel keeps the mapping
+    # as one region; a region split by madvise sends the check to /proc/self/maps.
+    import mmap
+
+    from memshare._refs import find_backing
+
+    path = tmp_path / "data.bin"
+    np.full(4 * mmap.PAGESIZE, 1.0).tofile(path)
+    mapped = np.memmap(path, dtype=np.float64, mode="r")
+    if split:
+        mapped._mmap.madvise(mmap.MADV_RANDOM, 0, mmap.PAGESIZE)
+    assert find_backing(mapped[1:]) is not None
+    np.full(4 * mmap.PAGESIZE, 2.0).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", path)
+    assert find_backing(mapped[1:]) is None
+    assert find_backing(np.memmap(path, dtype=np.float64, mode="r")) is not None
