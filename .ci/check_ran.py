@@ -36,11 +36,21 @@ def cases(report: str) -> Tuple[Set[str], Set[str]]:
     """(every test of the report, the tests that ran: neither skipped nor an error before they started)."""
     listed, ran = set(), set()
     for case in ElementTree.parse(report).iter("testcase"):
-        test = node_id(case.get("classname", ""), case.get("name", ""))
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if not classname:
+            # A module skipped whole at collection: one case named after the module ("tests.test_x"),
+            # which is not a test; the module's tests are in main's collection.
+            listed.add(name.replace(".", "/") + ".py")
+            continue
+        test = node_id(classname, name)
         listed.add(test)
         if case.find("skipped") is None:
             ran.add(test)
     return listed, ran
+
+
+def module_of(test: str) -> str:
+    return test.split("::", 1)[0]
 
 
 def main(argv: List[str]) -> int:
@@ -62,7 +72,9 @@ def main(argv: List[str]) -> int:
             continue
         wanted |= listed
         ran |= done
-    missing = sorted(wanted - ran)
+    # A module listed as skipped whole ran when any of its tests ran elsewhere.
+    modules_ran = {module_of(test) for test in ran}
+    missing = sorted(test for test in wanted - ran if "::" in test or test not in modules_ran)
     if missing:
         print(
             f"  ran: {len(missing)} of {len(wanted)} test(s) ran in no environment (left out or skipped in every one):"

@@ -96,10 +96,16 @@ def _run(tmp_path, code: str, kill: bool) -> tuple:
             env=without_location_settings(),
             start_new_session=True,
         )
+    stdout = ""
     try:
-        first = process.stdout.readline().split()
+        # Up to the line that reports ("ready", "child ..."), which another process's output may precede;
+        # reading to the end would wait for every process that inherited the pipe.
+        for line in iter(process.stdout.readline, ""):
+            stdout += line
+            if line.startswith(("ready", "child ")):
+                break
         if kill:
-            assert first == ["ready"], log.read_text()
+            assert stdout.splitlines()[-1:] == ["ready"], log.read_text()
             os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=120)
     finally:
@@ -110,7 +116,7 @@ def _run(tmp_path, code: str, kill: bool) -> tuple:
     # The tracker, the workers and the watchdog outlive the owner for a moment; all of them are done once
     # no process holds the log (the watchdog writes nowhere, but removes the semaphores before it exits).
     assert wait_until(lambda: not _holders(str(log)), 60), _holders(str(log))
-    return process, first, log.read_text()
+    return process, stdout, log.read_text()
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="loky's named semaphores live in /dev/shm")
@@ -123,9 +129,10 @@ def test_a_killed_owner_leaves_loky_nothing_to_report(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="loky's named semaphores live in /dev/shm")
 def test_a_forked_child_that_ends_abruptly_leaves_loky_nothing_to_report(tmp_path):
-    process, first, stderr = _run(tmp_path, FORKED_CHILD, kill=False)
-    assert process.returncode == 0 and first[:1] == ["child"] and first[2:] == ["0"], (first, stderr)
-    child = int(first[1])
+    process, stdout, stderr = _run(tmp_path, FORKED_CHILD, kill=False)
+    reports = [line.split() for line in stdout.splitlines() if line.startswith("child ")]
+    assert process.returncode == 0 and len(reports) == 1 and reports[0][2:] == ["0"], (stdout, stderr)
+    child = int(reports[0][1])
     assert wait_until(lambda: _named_after(child) == [] and _named_after(process.pid) == [], 30)
     found = [word for word in NOISE if word in stderr]
     assert not found, f"stderr mentions {found}:\n{stderr}"
