@@ -6,7 +6,7 @@ from setuptools import Extension, find_packages, setup
 # memshare installs without it and sends arrays as it did before.
 extensions = []
 if sys.platform.startswith("linux"):
-    extensions.append(Extension("memshare._remap", ["src/memshare/_remap.c"], optional=True))
+    extensions.append(Extension("memshare._parent._remap", ["src/memshare/_parent/_remap.c"], optional=True))
 
 with open("README.md", encoding="utf-8") as readme:
     long_description = readme.read()

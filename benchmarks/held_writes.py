@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from memshare import _held_once
+from memshare._parent import _held_once
 
 
 def _timed_doubling(array: np.ndarray) -> float:

@@ -33,7 +33,7 @@ if sys.argv[2] == "1024":
 import numpy as np
 import joblib
 import memshare
-from memshare import _memfd
+from memshare._lifetime import _memfd
 
 def sums(arrays):
     return [float(a.sum()) for a in arrays]

@@ -28,7 +28,7 @@ import joblib
 import numpy as np
 import pytest
 
-from memshare._owners import OWNER_DEAD, Owner, new_folder_name, parse_folder_name, process_start_time
+from memshare._lifetime._owners import OWNER_DEAD, Owner, new_folder_name, parse_folder_name, process_start_time
 
 #: The ``return_as`` values of the installed joblib ("generator_unordered" appeared in joblib 1.4).
 JOBLIB_VERSION = tuple(int(part) for part in joblib.__version__.split(".")[:2])
@@ -154,7 +154,7 @@ def private_bases(tmp_path, monkeypatch):
     tmp = tmp_path / "private-tmp"
     tmp.mkdir()
     planted = plant_foreign_folders(LEAK_BASES)
-    for module in ("memshare._location", "memshare._tools.cli", "memshare._tools.doctor"):
+    for module in ("memshare._lifetime._location", "memshare._tools.cli", "memshare._tools.doctor"):
         monkeypatch.setattr(f"{module}.SHM_ROOT", shm)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     try:
@@ -368,7 +368,7 @@ def array_fit_to_hold(nbytes: int, seed: int = 0):
     and none past the call, so that a failing run holds no gigabytes. Fails with the reason when none qualifies (at
     once for a reason other than where glibc put the array), so that a test depending on holding once says why.
     """
-    from memshare import _held_memory, _held_once
+    from memshare._parent import _held_memory, _held_once
 
     kept_aside, reason = [], None
     try:

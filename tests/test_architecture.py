@@ -41,6 +41,7 @@ import difflib
 import dis
 import importlib
 import re
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -469,30 +470,58 @@ def _c_extension_doc(source: Path) -> str:
     return "".join(literals).encode().decode("unicode_escape")
 
 
-def package_rows() -> Dict[str, str]:
-    """The package's own module table: each module's name as ARCHITECTURE.md writes it, and its first line."""
+#: The runtime's layers, top first: a module may import from its own package, from a layer below its
+#: own and from the base modules at the top level. Layers that share a row are siblings that do not
+#: import each other. ARCHITECTURE.md's "## Modules" gives each a table.
+LAYERS = (("_frontends",), ("_parent", "_worker"), ("_payload",), ("_transport",), ("_lifetime",))
+#: Top-level private modules every layer may use: they import nothing of memshare's but each other.
+BASE = ("_errors", "_config", "_compat", "_stats", "_forksafe")
+#: Imports that go the wrong way today, each with why; the list only shrinks.
+UPWARD = {
+    ("memshare._payload._torch", "memshare._parent._held_once"): (
+        "a torch tensor's storage is vouched for as holdable when the tensor is reduced"
+    ),
+}
+
+
+def _module_rows(folder: Path, prefix: str) -> Dict[str, str]:
     rows: Dict[str, str] = {}
-    for path in sorted(PACKAGE.iterdir()):
+    for path in sorted(folder.iterdir()):
         if path.is_dir() and (path / "__init__.py").exists():
             doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text(encoding="utf-8")))
-            rows[f"`{path.name}/`"] = _first_line(doc)
-        elif path.suffix == ".py":
+            rows[f"`{prefix}{path.name}/`"] = _first_line(doc)
+        elif path.suffix == ".py" and path.stem != "__init__" or path.name == "__init__.py" and not prefix:
             doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-            rows[f"`{path.stem}`"] = _first_line(doc)
+            rows[f"`{prefix}{path.stem}`"] = _first_line(doc)
         elif path.suffix == ".c":
-            rows[f"`{path.stem}` (C)"] = _first_line(_c_extension_doc(path))
+            rows[f"`{prefix}{path.stem}` (C)"] = _first_line(_c_extension_doc(path))
+    return rows
+
+
+def package_rows() -> Dict[str, str]:
+    """The package's module tables: each module's name as ARCHITECTURE.md writes it, and its first line.
+
+    The top level's modules and sub-packages, then each layer's modules, named ``_layer/_module``.
+    """
+    rows = _module_rows(PACKAGE, "")
+    for layer in (name for row in LAYERS for name in row):
+        rows.update(_module_rows(PACKAGE / layer, f"{layer}/"))
     return rows
 
 
 def architecture_rows() -> List[Tuple[str, str]]:
-    """The rows of ARCHITECTURE.md's "## Modules" table, in its order."""
+    """The rows of ARCHITECTURE.md's "## Modules" tables, in its order; a layer's under "### `_layer/`"."""
     text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
     section = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
     rows = []
+    prefix = ""
     for line in section.splitlines():
+        heading = re.match(r"### `(_\w+)/`", line)
+        if heading:
+            prefix = heading.group(1) + "/"
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if line.startswith("|") and len(cells) == 2 and cells[0].startswith("`"):
-            rows.append((cells[0], cells[1]))
+            rows.append((cells[0].replace("`", f"`{prefix}", 1), cells[1]))
     return rows
 
 
@@ -509,15 +538,102 @@ def test_the_module_table_of_architecture_md_matches_the_package():
     if written == expected:
         return
     diff = difflib.unified_diff(_table(written), _table(expected), "ARCHITECTURE.md", "the package", lineterm="")
-    rows = "\n".join(["| module | its one job |", "|---|---|", *_table(expected)])
     raise AssertionError(
-        "ARCHITECTURE.md's module table differs from the modules' docstrings:\n"
-        + "\n".join(diff)
-        + '\n\nThe table to paste under "## Modules":\n\n'
-        + rows
+        "ARCHITECTURE.md's module tables differ from the modules' docstrings (a layer's rows go in its own"
+        " table under ### `_layer/`, named without the layer):\n" + "\n".join(diff)
     )
 
 
 def test_every_module_says_what_it_is():
     empty = [name for name, text in package_rows().items() if not text]
     assert not empty, f"modules without a docstring: {empty}"
+
+
+def _layer_of(module: str) -> Optional[int]:
+    """The row of ``LAYERS`` that holds ``module`` (``memshare._layer._x``), None outside the layers."""
+    parts = module.split(".")
+    for index, row in enumerate(LAYERS):
+        if len(parts) > 1 and parts[1] in row:
+            return index
+    return None
+
+
+def _imports(path: Path, module: str) -> List[Tuple[int, str]]:
+    """(line, imported memshare module) for every import in ``path``, at any depth, relative ones resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("memshare"):
+                continue
+            # "from .. import _compat" names a module; "from ._refs import find_backing" names a value.
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                is_module = (PACKAGE.parent / (candidate.replace(".", "/") + ".py")).exists() or (
+                    PACKAGE.parent / candidate.replace(".", "/")
+                ).is_dir()
+                found.append((node.lineno, candidate if is_module else target))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("memshare")]
+    return found
+
+
+def wrong_way_imports() -> List[str]:
+    """Every import from a layer to one above it or to a sibling, or from a base module into the layers."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if module.endswith(".__init__"):
+            module = module[: -len(".__init__")]
+        top = module.split(".")[1] if "." in module else ""
+        source_layer = _layer_of(module)
+        for line, target in _imports(path, module):
+            target_layer = _layer_of(target)
+            if (module, target) in UPWARD:
+                continue
+            if top in BASE:
+                ok = target.split(".")[1] in BASE if "." in target else False
+            elif source_layer is None or target_layer is None:
+                ok = source_layer is None or target.split(".")[1] in BASE or target == "memshare"
+                ok = ok and not (source_layer is not None and target == "memshare")
+            elif target_layer == source_layer:
+                ok = target.split(".")[1] == module.split(".")[1]  # its own package, not a sibling
+            else:
+                ok = target_layer > source_layer
+            if not ok:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {target}")
+    return wrong
+
+
+def test_imports_go_down_the_layers():
+    wrong = wrong_way_imports()
+    assert not wrong, (
+        "Imports against the layer order of tests/test_architecture.py's LAYERS (a module imports its own"
+        " package, the layers below and the base modules):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_layer_check_finds_an_import_going_up(tmp_path, monkeypatch):
+    """The check itself: an import upwards, one between siblings and one from a base module are each found."""
+    fake = tmp_path / "memshare"
+    for layer in ("_lifetime", "_parent", "_worker"):
+        (fake / layer).mkdir(parents=True)
+        (fake / layer / "__init__.py").write_text('"""A layer."""\n')
+    (fake / "__init__.py").write_text("")
+    (fake / "_config.py").write_text("from ._parent import _session\n")
+    (fake / "_lifetime" / "_low.py").write_text("from .._parent._session import Session\n")
+    (fake / "_parent" / "_session.py").write_text("from .._worker import _run\nfrom .._lifetime import _low\n")
+    (fake / "_worker" / "_run.py").write_text("from .. import _config\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    wrong = wrong_way_imports()
+    assert [line.split(": ", 1)[1] for line in wrong] == [
+        "memshare._config imports memshare._parent._session",
+        "memshare._lifetime._low imports memshare._parent._session",
+        "memshare._parent._session imports memshare._worker._run",
+    ]

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_script, wait_until
 
 import memshare
-from memshare._executor import current_executor
+from memshare._frontends._executor import current_executor
 
 pytestmark = pytest.mark.skipif(
     "initializer" not in inspect.signature(joblib.externals.loky.ProcessPoolExecutor).parameters

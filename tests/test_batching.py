@@ -13,7 +13,7 @@ import pytest
 from conftest import memshare_entries
 
 from memshare import Parallel, delayed
-from memshare._sweep import folder_size
+from memshare._lifetime._sweep import folder_size
 
 MiB = 1 << 20
 

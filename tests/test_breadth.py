@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from conftest import process_tree, run_script, wait_until, without_location_settings
 
-from memshare._mapping import MappingCache, array_from_ref, map_file
-from memshare._owners import Owner, new_folder_name
-from memshare._refs import find_backing
-from memshare._sweep import sweep_dead_owners
-from memshare._watchdog import loky_semaphores
+from memshare._lifetime._owners import Owner, new_folder_name
+from memshare._lifetime._sweep import sweep_dead_owners
+from memshare._lifetime._watchdog import loky_semaphores
+from memshare._transport._mapping import MappingCache, array_from_ref, map_file
+from memshare._transport._refs import find_backing
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux")
 
@@ -38,7 +38,7 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # soft and hard: nothi
 import numpy as np
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare import _memfd
+from memshare._lifetime import _memfd
 
 
 def sums(arrays):
@@ -211,11 +211,11 @@ import logging, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 import memshare
-from memshare import _memfd
+from memshare._lifetime import _memfd
 
 arrays = [memshare.zeros(1024) for _ in range(700)]
 print("held", _memfd.held_count(), "budget", _memfd.budget(), "soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-named = sum(1 for a in arrays if not _memfd.is_memfd_path(memshare._refs.find_backing(a).path))
+named = sum(1 for a in arrays if not _memfd.is_memfd_path(memshare._transport._refs.find_backing(a).path))
 print("named", named)
 """
 
@@ -306,7 +306,7 @@ def test_the_watchdog_removes_a_killed_owners_semaphores(tmp_path):
 
 
 def test_semaphores_of_a_live_process_are_never_removed():
-    from memshare._watchdog import remove_loky_semaphores
+    from memshare._lifetime._watchdog import remove_loky_semaphores
 
     assert remove_loky_semaphores(os.getpid()) == []
     assert all(os.path.basename(p).startswith("sem.loky-") for p in loky_semaphores())

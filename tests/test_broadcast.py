@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import memshare
-from memshare import _broadcast
-from memshare._refs import find_backing
+from memshare._payload import _broadcast
+from memshare._transport._refs import find_backing
 
 pd = pytest.importorskip("pandas")
 
@@ -22,7 +22,7 @@ def _identity_of_value(shared):
 
 
 def _held_tokens(_):
-    import memshare._broadcast as module
+    import memshare._payload._broadcast as module
 
     return os.getpid(), module.received_tokens()
 

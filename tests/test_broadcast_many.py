@@ -13,15 +13,15 @@ import gc
 import os
 
 import memshare
-from memshare import _broadcast
+from memshare._payload import _broadcast
 
 HELD = 300
 
 
 def _count_checks(_):
     """Count, from now on in this worker, every check that a held broadcast's or a cached mapping's file exists."""
-    from memshare import _broadcast as broadcasts
-    from memshare import _mapping, _refs
+    from memshare._payload import _broadcast as broadcasts
+    from memshare._transport import _mapping, _refs
 
     counts = {"checks": 0}
 
@@ -40,7 +40,7 @@ def _checks_so_far(_):
 
 
 def _held(_):
-    from memshare import _mapping
+    from memshare._transport import _mapping
 
     return os.getpid(), len(_broadcast.received_tokens()), len(_mapping.cache)
 

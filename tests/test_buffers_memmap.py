@@ -16,7 +16,7 @@ from conftest import memfds_held, memshare_entries
 
 import memshare
 from memshare import Parallel, delayed
-from memshare._routes import DUMP_ARRAY, REFERENCE, input_route
+from memshare._payload._routes import DUMP_ARRAY, REFERENCE, input_route
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap is Linux's")
 

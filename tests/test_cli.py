@@ -16,7 +16,7 @@ import sys
 import pytest
 from conftest import without_location_settings
 
-from memshare._owners import Owner, host_identity, new_folder_name, pid_namespace, process_start_time
+from memshare._lifetime._owners import Owner, host_identity, new_folder_name, pid_namespace, process_start_time
 
 MIB = 1024 * 1024
 

@@ -9,8 +9,8 @@ from joblib.disk import memstr_to_bytes
 import memshare
 from memshare import delayed
 from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
-from memshare._location import SHM_ROOT, default_base
-from memshare._session import Session
+from memshare._lifetime._location import SHM_ROOT, default_base
+from memshare._parent._session import Session
 
 
 @pytest.mark.parametrize(

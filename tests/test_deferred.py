@@ -13,8 +13,8 @@ from conftest import memfds_held, wait_until
 import memshare
 from memshare import Parallel, delayed
 from memshare._config import Settings
-from memshare._session import Session
-from memshare._worker import run_task
+from memshare._parent._session import Session
+from memshare._worker._run import run_task
 
 MIB = 1024**2
 
@@ -234,7 +234,7 @@ def test_an_abandoned_batch_lets_go_of_its_arguments_before_it_is_packed():
     import gc
     import weakref
 
-    from memshare._deferred import DeferredFeed
+    from memshare._frontends._deferred import DeferredFeed
 
     session = Session(Settings.from_user("1M", "r", None, None))
     try:

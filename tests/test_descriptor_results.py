@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from conftest import run_script
 
-import memshare._mapping as mapping
+import memshare._transport._mapping as mapping
 from memshare import Parallel, delayed
-from memshare._mapping import map_descriptor
+from memshare._transport._mapping import map_descriptor
 
 PAGE = mmap.PAGESIZE
 

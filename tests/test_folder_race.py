@@ -24,8 +24,8 @@ import pytest
 from conftest import mount_small_tmpfs, unmount
 
 from memshare import Parallel, SharedMemoryFallbackWarning, delayed
-from memshare._owners import Owner, parse_folder_name
-from memshare._temp_folder import TempFolder
+from memshare._lifetime._owners import Owner, parse_folder_name
+from memshare._lifetime._temp_folder import TempFolder
 
 NOBODY = 65534
 MIB = 1 << 20

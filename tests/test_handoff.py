@@ -22,14 +22,16 @@ import pytest
 from conftest import memfds_held, run_script
 
 import memshare
-from memshare import MemmappingPool, Parallel, _handoff, _memfd, delayed
+from memshare import MemmappingPool, Parallel, delayed
 from memshare._config import Settings
-from memshare._executor import current_executor, discard_executor
-from memshare._folders import FolderPair, delete_file
-from memshare._protocol import ResultSpec
-from memshare._refs import RESULT
-from memshare._result_policy import ResultPolicy
-from memshare._session import Session
+from memshare._frontends._executor import current_executor, discard_executor
+from memshare._lifetime import _memfd
+from memshare._lifetime._folders import FolderPair, delete_file
+from memshare._parent._session import Session
+from memshare._transport import _handoff
+from memshare._transport._protocol import ResultSpec
+from memshare._transport._refs import RESULT
+from memshare._worker._result_policy import ResultPolicy
 
 pytestmark = pytest.mark.skipif(
     not _memfd.decision().in_memory, reason=f"memfds are not usable here: {_memfd.decision().reason}"
@@ -356,7 +358,7 @@ def _two_views_while_the_parent_is_busy(busy: bool):
     """In the worker: make the parent's inbox refuse descriptors (if ``busy``), return two views of one array."""
     import errno
 
-    from memshare import _handoff as handoff
+    from memshare._transport import _handoff as handoff
 
     if busy:
 
@@ -364,7 +366,7 @@ def _two_views_while_the_parent_is_busy(busy: bool):
             raise BlockingIOError(errno.EAGAIN, "the parent cannot take descriptors now (test)")
 
         handoff.send_on = refuse  # this worker only: its pool ends with the test
-    from memshare._refs import find_backing
+    from memshare._transport._refs import find_backing
 
     whole = memshare.share(np.arange(400_000, dtype=np.float64))  # both views above max_nbytes
     return whole[10:200_000], whole[150_000:], _memfd.is_memfd_path(find_backing(whole).path)

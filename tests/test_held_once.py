@@ -14,8 +14,10 @@ import pytest
 from conftest import HEAP_SERVED, total, wait_until
 
 import memshare
-from memshare import MemmappingPool, Parallel, _held_memory, _held_once, _memfd, delayed
-from memshare._refs import HELD
+from memshare import MemmappingPool, Parallel, delayed
+from memshare._lifetime import _memfd
+from memshare._parent import _held_memory, _held_once
+from memshare._transport._refs import HELD
 
 _NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = [

@@ -17,9 +17,10 @@ import pytest
 from conftest import memfds_held, memshare_entries, wait_until
 
 import memshare
-from memshare import MemmappingPool, Parallel, _kept_buffers, delayed
-from memshare._kept_buffers import KeptBuffers, store
-from memshare._location import choose_location
+from memshare import MemmappingPool, Parallel, delayed
+from memshare._lifetime._location import choose_location
+from memshare._parent import _kept_buffers
+from memshare._parent._kept_buffers import KeptBuffers, store
 
 pa = pytest.importorskip("pyarrow", reason="kept buffers are Arrow's (pip install pyarrow)")
 pd = pytest.importorskip("pandas", reason="Arrow-backed pandas columns need pandas (pip install pandas)")

@@ -13,11 +13,11 @@ from conftest import alive, files_under, memshare_entries, run_script, total, wa
 import memshare
 from memshare import Parallel, SharedMemoryFullError, delayed
 from memshare._config import Settings
-from memshare._folders import FolderPair
-from memshare._owners import Owner, new_folder_name
-from memshare._session import Session
-from memshare._sweep import sweep_dead_owners
-from memshare._worker import run_task
+from memshare._lifetime._folders import FolderPair
+from memshare._lifetime._owners import Owner, new_folder_name
+from memshare._lifetime._sweep import sweep_dead_owners
+from memshare._parent._session import Session
+from memshare._worker._run import run_task
 
 
 def test_early_deletion_keeps_only_what_is_in_flight(shm_dir):
@@ -157,8 +157,8 @@ def test_planted_symlinks_are_never_followed(tmp_path):
 
 
 def test_a_worker_refuses_references_outside_memshare_folders(tmp_path):
-    from memshare._mapping import array_from_ref
-    from memshare._refs import DUMP, ArrayRef
+    from memshare._transport._mapping import array_from_ref
+    from memshare._transport._refs import DUMP, ArrayRef
 
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"\1" * 64)

@@ -10,7 +10,7 @@ from conftest import run_script, wait_until, worker_pid
 from joblib.externals.loky.process_executor import BrokenProcessPool, TerminatedWorkerError
 
 import memshare
-from memshare._executor import current_executor
+from memshare._frontends._executor import current_executor
 
 # Plain joblib loky calls over a 2 MB array (memmapped by joblib), then nested
 # loky calls inside loky workers. It prints the pids of every process involved,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memshare import _held_memory, _malloc
+from memshare._parent import _held_memory, _malloc
 from memshare._tools import doctor as _doctor
 
 pytestmark = pytest.mark.skipif(
@@ -220,7 +220,7 @@ def test_glibc_malloc_is_found_in_a_non_pie_python(python):
     code = textwrap.dedent(
         f"""
         import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("probe", {str(SRC / "memshare" / "_malloc.py")!r})
+        spec = importlib.util.spec_from_file_location("probe", {str(SRC / "memshare" / "_parent" / "_malloc.py")!r})
         probe = sys.modules["probe"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(probe)
         found = probe.find()
@@ -317,7 +317,7 @@ def test_a_preloaded_allocator_is_refused_even_when_its_blocks_look_like_glibcs(
     code = textwrap.dedent(
         """
         import numpy as np
-        from memshare import _held_memory
+        from memshare._parent import _held_memory
         array = np.ones(48 * 1024**2 // 8)
         # The block passes every check of its header and mapping: only the allocator's identity is wrong.
         print(_held_memory.mmapped_chunk(array.ctypes.data, array.nbytes))

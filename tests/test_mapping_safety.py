@@ -17,18 +17,18 @@ from conftest import total
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._adopt import adopt_result, restore
 from memshare._config import Settings
-from memshare._folders import FolderPair
-from memshare._owners import Owner, new_folder_name
-from memshare._protocol import Outcome
-from memshare._refs import RESULT, ArrayRef
-from memshare._session import Session
+from memshare._lifetime._folders import FolderPair
+from memshare._lifetime._owners import Owner, new_folder_name
+from memshare._parent._adopt import adopt_result, restore
+from memshare._parent._session import Session
+from memshare._transport._protocol import Outcome
+from memshare._transport._refs import RESULT, ArrayRef
 
 PAGE = mmap.PAGESIZE
 
 try:
-    from memshare import _remap
+    from memshare._parent import _remap
 except ImportError:  # built without a C compiler
     _remap = None
 
@@ -239,7 +239,7 @@ def test_a_session_refuses_another_sessions_result_file(shm_dir, monkeypatch, me
 
 CRASH_AFTER_A_MOVE = """
 import ctypes, faulthandler, mmap, os, sys, tempfile
-from memshare import _remap
+from memshare._parent import _remap
 if sys.argv[1] == "before":
     faulthandler.enable()
 memory = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

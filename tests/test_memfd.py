@@ -24,17 +24,19 @@ from conftest import (
 )
 
 import memshare
-from memshare import Parallel, _handoff, _memfd, delayed
+from memshare import Parallel, delayed
 from memshare._config import Settings
-from memshare._folders import FolderPair, delete_file
-from memshare._handoff import Inbox
-from memshare._location import choose_location
-from memshare._mapping import MappingCache, map_file
-from memshare._owners import parse_folder_name
-from memshare._refs import DUMP, SHARED, ArrayRef
-from memshare._session import Session
-from memshare._watchdog import remove_loky_semaphores
-from memshare._worker import run_task
+from memshare._lifetime import _memfd
+from memshare._lifetime._folders import FolderPair, delete_file
+from memshare._lifetime._location import choose_location
+from memshare._lifetime._owners import parse_folder_name
+from memshare._lifetime._watchdog import remove_loky_semaphores
+from memshare._parent._session import Session
+from memshare._transport import _handoff
+from memshare._transport._handoff import Inbox
+from memshare._transport._mapping import MappingCache, map_file
+from memshare._transport._refs import DUMP, SHARED, ArrayRef
+from memshare._worker._run import run_task
 
 MIB = 1024**2
 
@@ -83,7 +85,8 @@ def test_explicit_temp_folder_keeps_named_files(shm_dir):
 def test_no_working_probe_means_named_files_and_the_log_says_why(tmp_path):
     script = """
         import numpy as np
-        from memshare import Parallel, delayed, _memfd
+        from memshare import Parallel, delayed
+        from memshare._lifetime import _memfd
         {patch}
         def where(X):
             return X.filename
@@ -185,7 +188,7 @@ def test_a_forked_child_closes_the_memfds_it_inherited():
         sys.path.insert(0, os.environ["TESTS_DIR"])
         from conftest import memfds_held
         import memshare
-        from memshare import _memfd
+        from memshare._lifetime import _memfd
         a = memshare.zeros(1000)
         kept = _memfd.held_paths()[0].replace(f"/proc/{os.getpid()}/", "/proc/self/")
         r, w = os.pipe()
@@ -477,8 +480,8 @@ def test_a_call_never_restored_closes_what_its_workers_sent(default_location):
 
 SEND_THEN_DIE = """
     import os, signal, sys
-    from memshare import _handoff
-    from memshare._folders import FolderPair
+    from memshare._transport import _handoff
+    from memshare._lifetime._folders import FolderPair
     path, fd = FolderPair("/nonexistent", None, in_memory=True).create_file(4096, "result")
     info = os.fstat(fd)
     lie = sys.argv[3] == "lie"

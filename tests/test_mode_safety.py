@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import memshare
-from memshare import MemmappingPool, Parallel, _held_memory, _held_once, delayed
+from memshare import MemmappingPool, Parallel, delayed
+from memshare._parent import _held_memory, _held_once
 
 MIB = 1024**2
 #: Above glibc's largest dynamic mmap threshold (32 MiB on 64-bit): such an

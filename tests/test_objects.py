@@ -12,7 +12,7 @@ from conftest import memfds_held, memshare_entries
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._routes import OBJECT_DUMP, OBJECT_DUMP_MIN, PICKLE, object_candidate, object_route
+from memshare._payload._routes import OBJECT_DUMP, OBJECT_DUMP_MIN, PICKLE, object_candidate, object_route
 
 pd = pytest.importorskip("pandas")
 

@@ -23,10 +23,10 @@ import textwrap
 import pytest
 from conftest import without_location_settings
 
-from memshare import _location
-from memshare._location import is_network_fstype, mount_fstype
-from memshare._owners import Owner, host_identity, new_folder_name, parse_folder_name, pid_namespace
-from memshare._sweep import sweep_dead_owners
+from memshare._lifetime import _location
+from memshare._lifetime._location import is_network_fstype, mount_fstype
+from memshare._lifetime._owners import Owner, host_identity, new_folder_name, parse_folder_name, pid_namespace
+from memshare._lifetime._sweep import sweep_dead_owners
 from memshare._tools import cli as _cli
 
 #: The inode of the initial pid namespace, the same on every Linux host.

@@ -19,9 +19,9 @@ import textwrap
 import pytest
 from conftest import wait_until, without_location_settings
 
-from memshare import _owners
-from memshare._owners import OWNER_ALIVE, OWNER_DEAD, Owner, parse_folder_name
-from memshare._sweep import find_folders, sweep_dead_owners
+from memshare._lifetime import _owners
+from memshare._lifetime._owners import OWNER_ALIVE, OWNER_DEAD, Owner, parse_folder_name
+from memshare._lifetime._sweep import find_folders, sweep_dead_owners
 
 # A job that makes its folders (a session's, for a call that dumps, and the shared-array store's), says where
 # they are, waits for a line on stdin, then makes another call with the same data and exits.

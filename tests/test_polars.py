@@ -18,7 +18,8 @@ import pytest
 from conftest import mappings_of, memfds_held, memshare_entries, run_script
 
 import memshare
-from memshare import MemmappingPool, Parallel, _polars, delayed
+from memshare import MemmappingPool, Parallel, delayed
+from memshare._payload import _polars
 
 pl = pytest.importorskip(
     "polars", reason="polars frames are tested only where polars is installed (pip install polars)"

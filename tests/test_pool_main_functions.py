@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from memshare._main_functions import MainFunction, MainFunctions, _module_bindings
+from memshare._payload._main_functions import MainFunction, MainFunctions, _module_bindings
 
 SCRIPT = textwrap.dedent(
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import memshare
-from memshare import _folder_warnings, _temp_folder
+from memshare._lifetime import _folder_warnings, _temp_folder
 
 
 def test_fallback_warnings_are_forgotten_with_their_folder(tmp_path):

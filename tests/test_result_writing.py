@@ -18,16 +18,16 @@ import pytest
 from conftest import files_under, memshare_entries, mount_small_tmpfs, unmount
 
 import memshare
-import memshare._folders as folders_module
-import memshare._result_files as result_files
-from memshare._adopt import restore
+import memshare._lifetime._folders as folders_module
+import memshare._worker._result_files as result_files
 from memshare._config import Settings
-from memshare._dumping import CHUNK_BYTES
-from memshare._folders import FolderPair
-from memshare._owners import Owner, new_folder_name
-from memshare._protocol import ResultSpec, Task
-from memshare._session import Session
-from memshare._worker import run_task
+from memshare._lifetime._folders import FolderPair
+from memshare._lifetime._owners import Owner, new_folder_name
+from memshare._parent._adopt import restore
+from memshare._parent._session import Session
+from memshare._transport._dumping import CHUNK_BYTES
+from memshare._transport._protocol import ResultSpec, Task
+from memshare._worker._run import run_task
 
 N = 3 * CHUNK_BYTES // 8 + 1000  # float64 elements: a few pieces, the last one partial
 

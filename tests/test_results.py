@@ -117,7 +117,7 @@ def test_a_killed_worker_leaks_nothing(shm_dir):
 
 def write_result_then_die(n):
     """Return a large array from a worker that is killed right after writing it, before sending it."""
-    import memshare._result_files as result_files  # the module that calls fill_result_file, in this worker
+    import memshare._worker._result_files as result_files  # the module that calls fill_result_file, in this worker
 
     real = result_files.fill_result_file
 

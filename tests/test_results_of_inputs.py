@@ -12,12 +12,14 @@ import pytest
 from conftest import array_fit_to_hold
 
 import memshare
-from memshare import MemmappingPool, Parallel, _held_once, _memfd, delayed
+from memshare import MemmappingPool, Parallel, delayed
 from memshare._config import Settings
-from memshare._protocol import Outcome
-from memshare._refs import DUMP, HELD, ArrayRef
-from memshare._session import Session
-from memshare._worker import run_task
+from memshare._lifetime import _memfd
+from memshare._parent import _held_once
+from memshare._parent._session import Session
+from memshare._transport._protocol import Outcome
+from memshare._transport._refs import DUMP, HELD, ArrayRef
+from memshare._worker._run import run_task
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import memshare
-from memshare._owners import Owner, new_folder_name
-from memshare._refs import DUMP, SHARED, USER, find_backing
-from memshare._routes import (
+from memshare._lifetime._owners import Owner, new_folder_name
+from memshare._payload._routes import (
     BY_VALUE,
     DUMP_ARRAY,
     DUMP_BASE,
@@ -30,6 +29,7 @@ from memshare._routes import (
     result_route,
     view_in_dump,
 )
+from memshare._transport._refs import DUMP, SHARED, USER, find_backing
 
 LIMIT = 1024  # max_nbytes of these tests: arrays of more than 128 float64 are large
 LARGE = 1000

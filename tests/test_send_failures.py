@@ -19,7 +19,7 @@ import pytest
 from conftest import RETURN_AS, memshare_entries
 
 import memshare
-import memshare._folders
+import memshare._lifetime._folders
 from memshare import MemmappingPool, Parallel, SharedMemoryFullError, UnpicklableArgumentError, delayed
 
 BIG = 300_000  # float64 elements: 2.4 MB, above the default max_nbytes
@@ -101,7 +101,7 @@ def failure(request, tmp_path, shm_dir, monkeypatch):
         def no_room(fd, offset, nbytes):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(memshare._folders, "reserve", no_room)
+        monkeypatch.setattr(memshare._lifetime._folders, "reserve", no_room)
         return None, big, SharedMemoryFullError, errno.ENOSPC
     raise AssertionError(name)
 
@@ -185,6 +185,6 @@ def touch(path):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="/proc exists on Linux only")
 def test_proc_as_a_folder_gives_a_short_clear_error():
     with pytest.raises(FileNotFoundError) as info:
-        memshare._folders.ensure_private_dir("/proc/memshare-test")
+        memshare._lifetime._folders.ensure_private_dir("/proc/memshare-test")
     assert "'/proc'" in str(info.value) and "temp_folder" in str(info.value)
     assert len(info.traceback) < 5  # no recursion

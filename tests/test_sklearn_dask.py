@@ -6,7 +6,7 @@ import pytest
 from conftest import run_script
 
 import memshare  # noqa: F401  (registers the backend)
-from memshare import _held_once
+from memshare._parent import _held_once
 
 sklearn = pytest.importorskip("sklearn")
 from sklearn.datasets import make_classification  # noqa: E402

@@ -264,7 +264,7 @@ def test_nothing_is_left_after_a_worker_is_killed(shm_dir):
 
 
 def test_an_aligned_malloc_chunk_of_its_own_is_recognised_only_when_asked():
-    from memshare import _held_memory
+    from memshare._parent import _held_memory
 
     tensor = torch.empty(64 * 1024**2, dtype=torch.uint8)  # torch's allocator: posix_memalign, 64-byte aligned
     address = tensor.data_ptr()
@@ -276,7 +276,7 @@ def test_an_aligned_malloc_chunk_of_its_own_is_recognised_only_when_asked():
 
 
 def held_file_of(tensor) -> str:
-    from memshare import _held_memory
+    from memshare._parent import _held_memory
 
     ((path, _),) = mappings_of([tensor.data_ptr() + 2 * _held_memory.PAGE])
     return path

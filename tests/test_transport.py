@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memshare._config import Settings
-from memshare._session import Session
-from memshare._worker import run_task
+from memshare._parent._session import Session
+from memshare._worker._run import run_task
 
 DTYPES = [
     "<f8",
@@ -329,7 +329,7 @@ def test_no_room_for_an_input_is_raised_as_itself_not_as_unpicklable(session, mo
     import errno
 
     import memshare
-    import memshare._folders as folders_module
+    import memshare._lifetime._folders as folders_module
 
     def no_room(fd, offset, nbytes):
         raise OSError(errno.ENOSPC, "no space left")

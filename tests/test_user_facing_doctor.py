@@ -21,8 +21,10 @@ import pytest
 from conftest import array_fit_to_hold
 
 import memshare
-from memshare import _config, _held_once, _location
-from memshare._held_memory import unsupported_reason
+from memshare import _config
+from memshare._lifetime import _location
+from memshare._parent import _held_once
+from memshare._parent._held_memory import unsupported_reason
 from memshare._tools import doctor as _doctor
 
 BIG = 300_000  # float64: 2.4 MB, above the default max_nbytes of 1 MiB

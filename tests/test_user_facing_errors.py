@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import memshare
-from memshare import MemmappingPool, _worker
+from memshare import MemmappingPool
+from memshare._worker import _run as _worker
 
 BIG = 300_000  # float64: 2.4 MB, above the default max_nbytes of 1 MiB
 

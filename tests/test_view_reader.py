@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memshare._reducers import by_value, pack, unpack
-from memshare._view_reader import ViewReader
+from memshare._payload._reducers import by_value, pack, unpack
+from memshare._payload._view_reader import ViewReader
 
 
 @settings(max_examples=200, deadline=None, database=None)

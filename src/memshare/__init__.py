@@ -7,7 +7,6 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 every task reads, and :func:`last_call_stats`.
 """
 
-from ._broadcast import Broadcast, broadcast
 from ._errors import (
     RemoteTraceback,
     SharedArrayCopiedWarning,
@@ -17,6 +16,7 @@ from ._errors import (
     UnpicklableResultError,
     WorkerDiedError,
 )
+from ._payload._broadcast import Broadcast, broadcast
 from ._stats import last_call_stats
 from .arrays import empty, full, is_shared, share, zeros
 from .backend import MemshareBackend, register_backend

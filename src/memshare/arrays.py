@@ -20,9 +20,9 @@ from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._dumping import file_order
-from ._refs import find_backing
-from ._shared_store import new_shared_array
+from ._transport._dumping import file_order
+from ._transport._refs import find_backing
+from ._transport._shared_store import new_shared_array
 
 ShapeLike = Union[int, Sequence[int]]
 

@@ -41,11 +41,11 @@ from ._compat import (
     worker_env,
 )
 from ._config import Settings
-from ._deferred import DeferredFeed
 from ._errors import WorkerDiedError, describe_exit
-from ._executor import discard_executor, get_executor
-from ._feed import run_or_return
-from ._session import Session
+from ._frontends._deferred import DeferredFeed
+from ._frontends._executor import discard_executor, get_executor
+from ._frontends._feed import run_or_return
+from ._parent._session import Session
 from ._stats import CallStats, enable_logging, record_finished
 
 BACKEND_NAME = "memshare"

@@ -34,7 +34,7 @@ from joblib.parallel import BACKENDS, get_active_backend
 from ._compat import iterator_exhausted, parallel_backend, parallel_config_options
 from ._config import parse_max_nbytes
 from ._errors import SharedArrayCopiedWarning
-from ._shared_store import views_shared_array
+from ._transport._shared_store import views_shared_array
 from .backend import BACKEND_NAME, MemshareBackend
 
 

@@ -29,10 +29,8 @@ import cloudpickle
 
 from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
 from ._config import Settings
-from ._feed import TaskFeed, run_pool_task, set_pool_results
-from ._main_functions import MainFunctions
-from ._owners import owner_identity
-from ._pool_args import (
+from ._frontends._feed import TaskFeed, run_pool_task, set_pool_results
+from ._frontends._pool_args import (
     check_chunksize,
     check_context_id,
     check_max_nbytes,
@@ -44,11 +42,13 @@ from ._pool_args import (
     resolve_context,
     worker_process,
 )
-from ._reducers import Reducers
-from ._session import Session
+from ._frontends._worker_watch import WorkerWatch
+from ._lifetime._owners import owner_identity
+from ._parent._session import Session
+from ._payload._main_functions import MainFunctions
+from ._payload._reducers import Reducers
 from ._stats import enable_logging
-from ._worker import set_result_reducers, watch_parent
-from ._worker_watch import WorkerWatch
+from ._worker._run import set_result_reducers, watch_parent
 
 
 def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:

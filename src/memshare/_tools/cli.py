@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from .._config import format_bytes, parse_max_nbytes
-from .._location import SHM_ROOT, network_fstype
-from .._owners import OWNER_ALIVE, OWNER_DEAD, OWNER_OTHER_HOST, OWNER_OTHER_NAMESPACE, OWNER_UNKNOWN_HOST
-from .._sweep import candidate_bases, find_folders, sweep_dead_owners
+from .._lifetime._location import SHM_ROOT, network_fstype
+from .._lifetime._owners import OWNER_ALIVE, OWNER_DEAD, OWNER_OTHER_HOST, OWNER_OTHER_NAMESPACE, OWNER_UNKNOWN_HOST
+from .._lifetime._sweep import candidate_bases, find_folders, sweep_dead_owners
 from .doctor import run_doctor
 
 

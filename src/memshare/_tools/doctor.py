@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import _compat, _memfd, _watchdog
+from .. import _compat
 from .._config import (
     ENV_PROMOTE,
     Settings,
@@ -45,9 +45,8 @@ from .._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from .._held_memory import malloc_in_use, unsupported_reason
-from .._held_once import mode_unfit_reason
-from .._location import (
+from .._lifetime import _memfd, _watchdog
+from .._lifetime._location import (
     SHM_ROOT,
     Location,
     choose_location,
@@ -57,8 +56,10 @@ from .._location import (
     mount_fstype,
     read_mountinfo,
 )
-from .._owners import OWNER_ALIVE, OWNER_DEAD
-from .._sweep import candidate_bases, find_folders, folder_size
+from .._lifetime._owners import OWNER_ALIVE, OWNER_DEAD
+from .._lifetime._sweep import candidate_bases, find_folders, folder_size
+from .._parent._held_memory import malloc_in_use, unsupported_reason
+from .._payload._routes import mode_unfit_reason
 
 GIB = 1024**3
 #: Below this, shared memory is too small for typical workloads; Docker's 64 MiB default is far below it.

@@ -1,0 +1,286 @@
+"""Feeding a pool's tasks lazily, so that a task that cannot be sent fails its call instead of hanging it.
+
+``MemmappingPool`` packs the tasks of ``map`` and ``imap`` calls lazily, in
+the standard pool's task-feeding thread, so that dumping later arrays
+overlaps with running earlier tasks and a call over many distinct arrays
+holds only what is in flight. An error raised there never reaches the
+caller: the standard pool turns it into one failed chunk, and a ``map``
+then waits forever for the chunks that were never sent.
+
+So packing errors (an unpicklable argument, no room for a dump, an unusable
+temp folder, the user's iterable raising) are caught here and the task
+travels as an :class:`Unsent` placeholder, which the worker returns at once
+and the result thread turns back into the original exception object (it
+never crosses a process boundary, so it need not be picklable). After a
+failure, a ``map`` call sends a placeholder for each remaining chunk, because
+its result waits for every chunk; an ``imap`` call stops there, as the
+standard pool does when the iterable raises.
+
+Chunks: the standard pool sends ``chunksize`` items as one message. Here a
+chunk is one task too: a :class:`MapChunk` packed with all its items in one
+pass of memshare's pickler, so each array in it is still routed (an array
+repeated across items or chunks is dumped once, by the session), and the
+function is pickled once per chunk instead of once per item. The worker
+returns the chunk's values as one list; the pool joins the lists.
+
+On the wire: a pool task travels as the tuple ``(token, stream)`` and its
+outcome comes back as the tuple of an :class:`Outcome`'s fields. The
+result spec, the same for every task of a pool, reaches each worker once,
+when it starts (:func:`set_pool_results`). The standard pool pickles each
+message with the standard pickler, for which a dataclass instance costs
+microseconds (copyreg's generic reduction, its fields by name) where a tuple
+of numbers and bytes costs a fraction of one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
+
+from .. import _forksafe
+from .._parent._session import Session
+from .._payload._main_functions import MainFunctions
+from .._payload._reducers import PLAIN_TYPES, unpack
+from .._transport._protocol import Outcome, ResultSpec, Task
+from .._worker._run import run_task
+from ._heavy import HeavyTasks, bytes_written
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Stands for a task that could not be packed; the worker sends it straight back."""
+
+    key: int  # identifies the failure in the parent's TaskFeed
+
+
+@dataclass(frozen=True)
+class MapChunk:
+    """The function a chunk of a ``map`` runs in the worker: ``func`` over each item, in order.
+
+    As in the standard pool, the first item that raises fails the whole chunk
+    (and so its ``map`` call) with that exception.
+    """
+
+    func: Callable
+    star: bool  # items are argument tuples (``starmap``)
+
+    def __call__(self, items: List) -> List:
+        if self.star:
+            return list(itertools.starmap(self.func, items))
+        return list(map(self.func, items))
+
+    def arguments_of(self, items: List) -> List[Any]:
+        """The objects the chunk passes to ``func`` that may hold an array or a large object: each item, or
+        each element of each item for ``starmap``, but numbers, strings and None (looked at per item)."""
+        arguments = itertools.chain.from_iterable(items) if self.star else items
+        if PLAIN_TYPES.issuperset(map(type, arguments)):  # the common case, in one pass at C speed
+            return []
+        arguments = itertools.chain.from_iterable(items) if self.star else items
+        return [argument for argument in arguments if type(argument) not in PLAIN_TYPES]
+
+
+#: A pool task on the wire: (token, stream) of a :class:`Task`, or the placeholder of one not packed.
+PoolTask = Union[Tuple[int, bytes], Unsent]
+#: A pool task's outcome on the wire: (token, ok, stream, slots) of an :class:`Outcome`.
+PoolOutcome = Tuple[int, bool, bytes, tuple]
+
+# The result spec of the pool this worker serves: one pool per worker process, so process-wide.
+_pool_results: Optional[ResultSpec] = None
+
+
+def set_pool_results(spec: ResultSpec) -> None:
+    """In a pool's worker, as it starts: where and how its tasks' results go (the pool session's spec)."""
+    global _pool_results
+    _pool_results = spec
+
+
+def run_or_return(task: Any) -> Any:
+    """The function the joblib backend's workers run: a task, or a placeholder returned as it is."""
+    if isinstance(task, Unsent):
+        return task
+    return run_task(task)
+
+
+def run_pool_task(message: PoolTask) -> Union[PoolOutcome, Unsent]:
+    """The function pool workers run: a task (as the tuple of its fields), or a placeholder returned as it is."""
+    if type(message) is not tuple:
+        return message  # an Unsent placeholder
+    if _pool_results is None:
+        raise RuntimeError("memshare: this process runs pool tasks but was not started by a MemmappingPool")
+    token, stream = message
+    outcome = run_task(Task(token, stream, _pool_results))
+    return (outcome.token, outcome.ok, outcome.stream, outcome.slots)
+
+
+def _wire(task: Task) -> Tuple[int, bytes]:
+    return (task.token, task.stream)
+
+
+class _FillingTasks(Sized):
+    """The packed tasks of a ``map`` call: one per chunk, placeholders after a failure."""
+
+    def __init__(self, feed: TaskFeed, func: Callable, items: List, star: bool, chunksize: int) -> None:
+        self._feed, self._func, self._items, self._star = feed, func, items, star
+        self._chunksize = chunksize
+
+    def __len__(self) -> int:
+        return -(-len(self._items) // self._chunksize)
+
+    def __iter__(self) -> Iterator:
+        chunks = len(self)
+        for index in range(chunks):
+            start = index * self._chunksize
+            try:
+                task = self._feed.pack_chunk(self._func, self._items[start : start + self._chunksize], self._star)
+            except BaseException as exc:  # this thread has nobody to raise to
+                placeholder = self._feed.failed(exc, count=chunks - index)
+                for _ in range(index, chunks):
+                    yield placeholder
+                return
+            yield task
+
+
+class TaskFeed:
+    """Packs a pool's tasks and restores their outcomes, failing calls cleanly."""
+
+    def __init__(
+        self,
+        session: Session,
+        main_functions: Optional[MainFunctions] = None,
+        workers: int = 1,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``workers``: the pool's size; ``stopped``: True once the pool can run no more tasks (broken)."""
+        self.session = session
+        # Which functions of __main__ the workers have: those go by name (see _main_functions).
+        self._main = main_functions if main_functions is not None else MainFunctions("fork")
+        # map and imap tasks that wrote new dumps wait for room in the pool's task thread, as the
+        # standard pool's thread waits for a worker to read a large pickled task (see _heavy);
+        # apply() packs in the caller's thread, which it does not block.
+        self._stopping = False
+        self._heavy = HeavyTasks(workers, stopped=lambda: self._stopping or stopped() or session.closed)
+        self._lock = _forksafe.lock()
+        self._keys = itertools.count(1)
+        # key -> [exception, placeholders not back yet]
+        self._failures: Dict[int, list] = {}
+
+    def pack_call(self, func: Callable, args: tuple, kwargs: dict) -> Tuple[int, bytes]:
+        """One call as a task (``apply``), raising what packing raised."""
+        return _wire(self.session.pack_task(self._main.sent_as(func), args, kwargs))
+
+    def pack(self, func: Callable, item: Any, star: bool) -> Tuple[int, bytes]:
+        """One item of a call as a task of its own; ``func`` is what :meth:`sent_as` gave for the call."""
+        args = tuple(item) if star else (item,)
+        return self._pack_in_turn(func, args)
+
+    def pack_chunk(self, func: Callable, items: List, star: bool) -> Tuple[int, bytes]:
+        """Several items as one task, whose value is the list of their values; ``func`` as for :meth:`pack`."""
+        return self._pack_in_turn(MapChunk(func, star), (list(items),))
+
+    def _pack_in_turn(self, func: Callable, args: tuple) -> Tuple[int, bytes]:
+        """Pack a task of the pool's task thread, once there is room for another heavy task (``_heavy``)."""
+        self._heavy.wait_for_room()
+        written_before = bytes_written(self.session.stats)  # only this thread packs map and imap tasks
+        task = self.session.pack_task(func, args)
+        self._heavy.packed(task.token, written_before, bytes_written(self.session.stats))
+        return _wire(task)
+
+    def stop(self) -> None:
+        """The pool is terminating: packing waits no more for room."""
+        self._stopping = True
+
+    def sent_as(self, func: Callable) -> Callable:
+        """What a call sends for ``func``: decided once per ``map`` or ``imap`` call, whose tasks are packed at
+        moments the caller does not see, so that a change it makes meanwhile reaches no defined set of tasks."""
+        return self._main.sent_as(func)
+
+    def failed(self, exc: BaseException, count: int) -> Unsent:
+        """Record ``exc`` for ``count`` placeholders about to be sent; return the placeholder."""
+        with self._lock:
+            key = next(self._keys)
+            self._failures[key] = [exc, count]
+        return Unsent(key)
+
+    def fill(self, func: Callable, items: List, star: bool, chunksize: int) -> Sized:
+        """The tasks of a ``map`` over ``items``: exactly one per chunk of ``chunksize`` items, whatever fails."""
+        return _FillingTasks(self, self.sent_as(func), items, star, chunksize)
+
+    def lazy(self, func: Callable, iterable: Iterable, star: bool, chunksize: int = 1) -> Iterator:
+        """The tasks of an ``imap``: packed as consumed, ending with a placeholder at the first failure.
+
+        With ``chunksize`` 1 each item is a task whose value is the item's
+        value; above, each chunk is a task whose value is a list.
+        """
+        iterator = iter(iterable)
+        func = self.sent_as(func)
+        while True:
+            try:
+                items = [next(iterator)] if chunksize == 1 else list(itertools.islice(iterator, chunksize))
+            except StopIteration:
+                return
+            except BaseException as exc:  # the user's iterable raised: fail at this position
+                yield self.failed(exc, count=1)
+                return
+            if not items:
+                return
+            try:
+                task = self.pack(func, items[0], star) if chunksize == 1 else self.pack_chunk(func, items, star)
+            except BaseException as exc:
+                yield self.failed(exc, count=1)
+                return
+            yield task
+            if len(items) < chunksize:
+                return
+
+    # -- on the pool's result thread ---------------------------------------------
+
+    def restore(self, message: Any) -> Any:
+        """Turn a worker's message back into what the standard pool expects.
+
+        Runs on the pool's result thread, so it must never raise: any failure
+        becomes the failure of the task it belongs to.
+        """
+        if message is None:
+            return message
+        try:
+            job, index, (success, value) = message
+        except (TypeError, ValueError):
+            return message
+        if not success:
+            return message
+        try:
+            if type(value) is tuple or isinstance(value, Unsent):
+                return (job, index, self._restore_one(value))
+            if type(value) is list and all(type(item) is tuple or isinstance(item, Unsent) for item in value):
+                # Every outcome is finished, failed or not: that releases its files.
+                restored = [self._restore_one(item) for item in value]
+                failure = next((item for ok, item in restored if not ok), None)
+                if failure is not None:
+                    return job, index, (False, failure)
+                return job, index, (True, [item for _, item in restored])
+        except BaseException as exc:
+            return job, index, (False, exc)
+        return message
+
+    def _restore_one(self, value: Union[PoolOutcome, Unsent]) -> tuple:
+        if isinstance(value, Unsent):
+            return False, self._take_failure(value.key)
+        token, ok, stream, slots = value
+        self._heavy.ended(token)
+        if ok and not slots:
+            # No slot: no file to adopt, nothing to count or warn about (what finish does besides).
+            self.session.task_done(token)
+            try:
+                return True, unpack(stream)
+            except BaseException as exc:
+                return False, exc
+        return self.session.finish(Outcome(token=token, ok=ok, stream=stream, slots=slots))
+
+    def _take_failure(self, key: int) -> BaseException:
+        with self._lock:
+            record = self._failures[key]
+            record[1] -= 1
+            if record[1] <= 0:
+                del self._failures[key]
+        return record[0]

@@ -1,0 +1,388 @@
+"""Nameless shared memory: ``memfd_create`` files, held by descriptors, reached through ``/proc``.
+
+This module is the registry of the memfds a process owns (:func:`create`,
+:func:`release`): the owner holds each open for as long as the file lives,
+and deleting the file is closing that descriptor. Another process of the same
+user opens it through its path ``/proc/<owner pid>/fd/<n>``. Whether memfds
+work here is probed once per process (:func:`decision`), never guessed; the
+descriptors kept open stay within a budget (:func:`budget`); a forked child
+closes the ones it inherited.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .. import _forksafe
+from .._stats import logger
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+#: Environment variable that turns memfds off ("0"), keeping named files.
+ENV_MEMFD = "MEMSHARE_MEMFD"
+NAME_PREFIX = "memshare-"
+#: What the ``/proc`` link of a memshare memfd names: ``/memfd:memshare-<kind>-<random> (deleted)``.
+_LINK_PATTERN = re.compile(r"^/memfd:memshare-([a-z]+)-[0-9a-f]{16} \(deleted\)$")
+_PROC_FD_PATTERN = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
+#: Share of the soft RLIMIT_NOFILE that the descriptors memshare keeps open may take; the rest is
+#: the user's program's. A live memfd costs its owner one descriptor (mappings keep none:
+#: ``_mapping.map_descriptor``); past the budget a named file, which needs none, is made instead.
+BUDGET_SHARE = 0.5
+#: Of the budget, what memfds leave to memshare's other descriptors: a session's result socket
+#: and its folder, result descriptors received and not yet mapped.
+RESERVED = 16
+#: The soft limit is raised to the hard limit, but not past this (a hard limit of millions is common).
+RAISE_CAP = 1 << 16
+#: The child of the probe opens the path it is given and prints what it opened.
+_PROBE_CHILD = "import os,sys;s=os.fstat(os.open(sys.argv[1],os.O_RDONLY));print(s.st_dev,s.st_ino)"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether this process shares through memfds, and why (one line for the log and the doctor)."""
+
+    in_memory: bool
+    reason: str
+    seconds: float = 0.0  # what the probe took
+
+
+class _Registry:
+    """The memfds this process owns: path -> descriptor.
+
+    Per process because descriptors are. A forked child closes the
+    descriptors it inherited: it owns none of these files, and its copies
+    would keep the parent's memory alive for as long as the child lives. The
+    decision is kept in a child: it holds for the same machine, user and
+    mounts.
+    """
+
+    def __init__(self) -> None:
+        # Re-entrant: a shared or held array collected by the garbage collector
+        # while this thread holds the lock releases its memfd from a finalizer
+        # in the same thread.
+        self.lock = _forksafe.rlock()
+        self.fds: Dict[str, int] = {}
+        self.decision: Optional[Decision] = None
+        self.raised = False  # the soft descriptor limit was raised (or found unraisable) once
+        self.over_budget_logged = False
+
+    def after_fork_in_child(self) -> None:
+        self.lock = _forksafe.rlock()
+        self.over_budget_logged = False
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+
+
+_registry = _Registry()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_registry.after_fork_in_child)
+
+
+def decision() -> Decision:
+    """Whether memfds work here, probed on the first call in this process."""
+    with _registry.lock:
+        if _registry.decision is None:
+            started = time.perf_counter()
+            in_memory, reason = _probe()
+            _registry.decision = Decision(in_memory, reason, time.perf_counter() - started)
+            # One line in the decision log per process: which mechanism, and why.
+            if in_memory:
+                logger.debug("memshare: shared memory is memfds: %s", reason)
+            else:
+                logger.info("memshare: shared memory is named files (memfds unusable): %s", reason)
+        return _registry.decision
+
+
+def _probe() -> Tuple[bool, str]:
+    """(works, why): try what sharing needs, end to end, once.
+
+    ``/proc`` may be hidden, ``memfd_create`` missing, or another process
+    refused the open, so a tiny child process really opens a memfd through
+    ``/proc/<pid>/fd/<n>`` (about 10 ms): a plain ``open()`` that needs
+    ptrace read access, which processes of the same user have (Yama restricts
+    only attaching). memshare's workers are its own children, of the same
+    user; workers running as another user could not open the path, which
+    the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is for that case.
+    """
+    switch = os.environ.get(ENV_MEMFD, "").strip().lower()
+    if switch in ("0", "no", "false", "off"):
+        return False, f"{ENV_MEMFD}={switch} turns memfds off"
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return False, "memfd_create is not available (Linux only, Python 3.8+)"
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return False, "/proc is not mounted or hidden, so workers could not open memfds"
+    try:
+        fd = os.memfd_create(f"{NAME_PREFIX}probe-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
+    except OSError as exc:
+        return False, f"memfd_create failed: {exc}"
+    try:
+        info = os.fstat(fd)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        try:
+            child = subprocess.run(
+                [sys.executable, "-I", "-S", "-c", _PROBE_CHILD, path],
+                capture_output=True,
+                timeout=60,
+                close_fds=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return False, f"could not start a process to check that memfds can be opened: {exc}"
+        if child.stdout.split() != [str(info.st_dev).encode(), str(info.st_ino).encode()]:
+            last = (child.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+            return False, f"another process could not open a memfd through {path}: {last}"
+    finally:
+        os.close(fd)
+    return True, "memfd_create works and another process opened a memfd through /proc/<pid>/fd"
+
+
+def set_decision_for_tests(in_memory: bool, reason: str) -> None:
+    """Replace this process's decision (tests of the fallback use it)."""
+    with _registry.lock:
+        _registry.decision = Decision(in_memory, reason)
+
+
+def descriptor_limits() -> Tuple[Optional[int], Optional[int]]:
+    """This process's (soft, hard) ``RLIMIT_NOFILE``; None for a limit that is unlimited or unknown."""
+    if resource is None:
+        return None, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (None if soft == resource.RLIM_INFINITY else soft), (None if hard == resource.RLIM_INFINITY else hard)
+
+
+def budget() -> Optional[int]:
+    """How many descriptors memshare may keep open in this process now; None without a limit."""
+    soft, _ = descriptor_limits()
+    return None if soft is None else int(soft * BUDGET_SHARE)
+
+
+def held_count() -> int:
+    """How many memfd descriptors this process keeps open (at most :func:`budget` less ``RESERVED``)."""
+    with _registry.lock:
+        return len(_registry.fds)
+
+
+def _raise_soft_limit() -> None:
+    """Raise the soft descriptor limit towards the hard one, once per process, and log it."""
+    soft, hard = descriptor_limits()
+    if soft is None or resource is None:
+        return
+    target = max(soft, RAISE_CAP) if hard is None else min(hard, max(soft, RAISE_CAP))
+    if target <= soft:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    except (OSError, ValueError) as exc:
+        logger.info("memshare: could not raise the soft descriptor limit from %d to %d: %s", soft, target, exc)
+        return
+    logger.info(
+        "memshare: raised the soft descriptor limit (ulimit -n) from %d to %d (hard limit %s): "
+        "memshare's shared memory needs more descriptors; it keeps at most %d%% of the limit",
+        soft,
+        target,
+        "unlimited" if hard is None else hard,
+        int(BUDGET_SHARE * 100),
+    )
+
+
+def within_budget() -> bool:
+    """True when one more memfd stays within the budget (raising the soft limit once if that helps).
+
+    When the memfds held reach the budget, the soft limit is raised towards
+    the hard one, once per process (logged); past the budget after that, the
+    answer is no, and the reason is logged once.
+    """
+    with _registry.lock:
+        held = len(_registry.fds)
+        limit = budget()
+        if limit is None or held < limit - RESERVED:
+            return True
+        if not _registry.raised:
+            _registry.raised = True
+            _raise_soft_limit()
+            limit = budget()
+            if limit is None or held < limit - RESERVED:
+                return True
+        if not _registry.over_budget_logged:
+            _registry.over_budget_logged = True
+            soft, hard = descriptor_limits()
+            logger.info(
+                "memshare: new shared memory is named files in the private folder, not memfds: memshare holds "
+                "%d memfds, its budget of %d%% of the descriptor limit (soft %s, hard %s); the rest is left to "
+                "the program. Raise `ulimit -n` to use memfds for more arrays",
+                held,
+                int(BUDGET_SHARE * 100),
+                soft,
+                "unlimited" if hard is None else hard,
+            )
+        return False
+
+
+def create(kind: str) -> Tuple[str, int]:
+    """A new empty 0600 memfd of ``kind``, held by this process: (its ``/proc`` path, a descriptor for the caller).
+
+    The caller closes the descriptor it gets, as for a named file; the file
+    lives until :func:`release` closes the one kept here. Its path is a magic
+    link, so ``O_NOFOLLOW`` cannot be used on it: whoever opens one checks the
+    file's identity (device, inode) afterwards, and that its link names a
+    memshare memfd of the right kind (:func:`kind_of`). Raises ``OSError``
+    with EMFILE when memshare's descriptors are at their budget (see
+    :func:`within_budget`): the caller makes a named file instead.
+    """
+    if not within_budget():
+        raise OSError(errno.EMFILE, f"memshare: {held_count()} memfds held, the descriptor budget ({budget()})")
+    kept = os.memfd_create(f"{NAME_PREFIX}{kind}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(kept, 0o600)
+        fd = os.dup(kept)
+    except BaseException:
+        os.close(kept)
+        raise
+    path = f"/proc/{os.getpid()}/fd/{kept}"
+    with _registry.lock:
+        _registry.fds[path] = kept
+    return path, fd
+
+
+def release(path: str) -> bool:
+    """Close this process's memfd at ``path``: the file is gone once no mapping or other descriptor holds it.
+
+    True when ``path`` is a memfd path (whether this process held it or not:
+    nobody may unlink a ``/proc`` path); False for a named file.
+    """
+    if not is_memfd_path(path):
+        return False
+    with _registry.lock:
+        fd = _registry.fds.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+    return True
+
+
+def duplicate(path: str) -> int:
+    """A new descriptor of this process's memfd at ``path`` (the caller closes it).
+
+    Raises FileNotFoundError when this process does not hold it (any more).
+    """
+    with _registry.lock:
+        fd = _registry.fds.get(path)
+        if fd is None:
+            raise FileNotFoundError(f"memshare: this process holds no memfd at {path!r}")
+        return os.dup(fd)
+
+
+def held_paths() -> List[str]:
+    """The paths of the memfds this process holds."""
+    with _registry.lock:
+        return list(_registry.fds)
+
+
+def is_memfd_path(path: str) -> bool:
+    """True for a ``/proc/<pid>/fd/<n>`` path, which memshare uses for memfds only."""
+    return isinstance(path, str) and _PROC_FD_PATTERN.match(path) is not None
+
+
+def kind_of(path: str) -> Optional[str]:
+    """The kind (``dump``, ``result``, ``shared``) of the memshare memfd at the ``/proc`` path ``path``, else None."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    match = _LINK_PATTERN.match(target)
+    return match.group(1) if match else None
+
+
+def kind_of_descriptor(fd: int) -> Optional[str]:
+    """:func:`kind_of` for a descriptor this process opened: no race with the path being reused."""
+    return kind_of(f"/proc/self/fd/{fd}")
+
+
+@dataclass(frozen=True)
+class LiveMemfd:
+    """A memshare memfd some process holds open (what the doctor lists)."""
+
+    pid: int
+    kind: str
+    nbytes: int
+
+
+def live_memfds() -> List[LiveMemfd]:
+    """Every memshare memfd that a process of this user holds open, once per process and file."""
+    found: List[LiveMemfd] = []
+    try:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return found
+    for pid in sorted(pids):
+        seen = set()
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            kind = kind_of(path)
+            if kind is None:
+                continue
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            if info.st_uid != os.geteuid() or (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            found.append(LiveMemfd(pid, kind, info.st_blocks * 512))
+    return found
+
+
+def descriptors_of(pid: Optional[int] = None) -> int:
+    """How many descriptors process ``pid`` (default: this one) holds on memshare's files.
+
+    Counted from ``/proc/<pid>/fd``: memshare memfds (dump, result, shared,
+    held) and anything open in a memshare folder (a session's folder, kept
+    open for its result socket). 0 where ``/proc`` cannot be read.
+    """
+    folder = f"/proc/{os.getpid() if pid is None else pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    count = 0
+    for name in names:
+        try:
+            target = os.readlink(f"{folder}/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{NAME_PREFIX}") or f"/{NAME_PREFIX}" in target:
+            count += 1
+    return count
+
+
+def descriptor_report() -> List[str]:
+    """Lines for the doctor: this process's descriptor limits and memshare's budget and use of them."""
+    soft, hard = descriptor_limits()
+    if soft is None:
+        return ["descriptor limit: none (memshare keeps memfds without a budget)"]
+    lines = [
+        f"descriptor limit (ulimit -n): soft {soft}, hard {'unlimited' if hard is None else hard}; "
+        f"memshare keeps at most {budget()} open ({int(BUDGET_SHARE * 100)}% of the soft limit, raised towards "
+        "the hard limit once when needed), then uses named files, which need none",
+        f"memshare holds {descriptors_of()} descriptor(s) in this process; mappings keep none",
+    ]
+    if soft < 1024:
+        lines.append(f"a soft limit of {soft} is low: `ulimit -n {hard or 4096}` leaves more room to memfds")
+    return lines

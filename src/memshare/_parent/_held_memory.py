@@ -1,0 +1,203 @@
+"""The Linux memory facts and calls behind arrays held once: malloc chunks, page flags, remapping.
+
+Everything here works on raw addresses of this process, so every function
+checks what it can before touching memory, and the caller (``_held_once``)
+only passes ranges inside an array it holds a reference to. The two steps
+that must not lose a write made between them (write a range into the file,
+then map the file over it) are one call of the C helper ``memshare._parent._remap``,
+which keeps the range read-only meanwhile: a thread writing into it waits,
+then writes into the new mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .._compat import gil_enabled
+from . import _malloc
+
+try:
+    from . import _remap
+except ImportError:  # built without a C compiler, or not on Linux
+    _remap = None
+
+PAGE = mmap.PAGESIZE
+
+# /proc/self/pagemap: one 64-bit entry per virtual page.
+_PM_PRESENT = np.uint64(1 << 63)
+_PM_SWAPPED = np.uint64(1 << 62)
+_PM_FILE = np.uint64(1 << 61)  # a page of a file, or shared anonymous memory
+
+
+def malloc_in_use() -> _malloc.Malloc:
+    """This process's malloc: glibc's or another, and how memshare knows (see ``_malloc``)."""
+    return _MALLOC
+
+
+# Found once: a process's C library and allocator do not change.
+_MALLOC = _malloc.find()
+_GLIBC_MALLOC = _MALLOC.glibc
+
+
+def unsupported_reason() -> Optional[str]:
+    """Why this process cannot hold arrays once at all, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return "needs Linux"
+    if _remap is None:
+        return "memshare was installed without its C helper (memshare._parent._remap: no C compiler at install time)"
+    if not _GLIBC_MALLOC:
+        return f"needs glibc's malloc; this process's is {_MALLOC.describe()}"
+    if not gil_enabled():
+        return "needs the GIL: holding arrays once is not tested on free-threaded builds"
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.read(8)
+    except OSError as exc:
+        return f"/proc/self/pagemap cannot be read ({exc.strerror})"
+    return None
+
+
+def copy_then_remap(fd: int, file_offset: int, address: int, length: int) -> None:
+    """Write memory ``[address, address + length)`` into ``fd`` at ``file_offset``, then map it back privately.
+
+    Whole pages: ``address``, ``file_offset`` and ``length`` multiples of the page size, or the C helper
+    raises ValueError before touching memory or the file. No write of another thread is lost: the
+    range is read-only meanwhile, and a writer waits for the new mapping (see ``_remap.c``).
+    """
+    _remap.copy_then_remap(fd, file_offset, address, length)
+
+
+def write_range(fd: int, file_offset: int, address: int, length: int) -> None:
+    """Write memory ``[address, address + length)`` into ``fd`` at ``file_offset`` (no remapping)."""
+    data = (ctypes.c_char * length).from_address(address)
+    done = 0
+    while done < length:
+        done += os.pwrite(fd, memoryview(data)[done:], file_offset + done)
+
+
+def same_bytes(fd: int, file_offset: int, address: int, length: int) -> bool:
+    """True when memory ``[address, address + length)`` equals the file's bytes at ``file_offset``."""
+    return os.pread(fd, length, file_offset) == ctypes.string_at(address, length)
+
+
+def changed_pages(first_page: int, end: int) -> np.ndarray:
+    """Indexes (from ``first_page``) of the pages in ``[first_page, end)`` written since they were mapped.
+
+    A page of a private file mapping is a file page until a write copies it:
+    present and no longer a file page, or swapped out (only private copies
+    are swapped, file pages are dropped), means written.
+    """
+    count = (end - first_page) // PAGE
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        raw = os.pread(pagemap.fileno(), count * 8, first_page // PAGE * 8)
+    if len(raw) != count * 8:
+        raise OSError(errno.EIO, "short read of /proc/self/pagemap")
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    written = ((entries & _PM_PRESENT) != 0) & ((entries & _PM_FILE) == 0)
+    written |= (entries & _PM_SWAPPED) != 0
+    return np.flatnonzero(written)
+
+
+def runs(indexes: np.ndarray) -> List[Tuple[int, int]]:
+    """Consecutive runs of sorted integers, as (first, count) pairs."""
+    if indexes.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(indexes) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [indexes.size]))
+    return [(int(indexes[a]), int(b - a)) for a, b in zip(starts, stops)]
+
+
+def mmapped_chunk(address: int, nbytes: int, aligned: bool = False) -> Optional[str]:
+    """None when ``address`` is the data of a glibc malloc chunk of its own mapping; else why not.
+
+    glibc's two-word header (prev_size, size) must start on the page before
+    ``address``. The chunk must carry the IS_MMAPPED bit and start its
+    mapping (prev_size, its offset in the mapping, is 0: neither an aligned
+    allocation nor huge pages), and its mapping, which ends on a page
+    boundary in one of the layouts ``_malloc.mapping_end`` knows, must hold
+    the array and be private anonymous memory in ``/proc/self/maps``. Then
+    ``free()`` unmaps that whole range, and nothing but this array lives in
+    it. The maps are read before the header, so no unmapped memory is read.
+
+    ``aligned`` also takes a chunk that ``posix_memalign`` carved out of its
+    mapping (torch's CPU allocator aligns to 64 bytes): its header is then
+    ``prev_size`` bytes past the page-aligned start of the mapping, which
+    ``free()`` unmaps from that start, and the mapping's size is
+    ``prev_size`` more than the chunk's.
+    """
+    chunk = address - _malloc.CHUNK_HEADER
+    if chunk % PAGE and not aligned:
+        return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
+    covered = _anonymous_extent(chunk - chunk % PAGE)
+    if covered is None:
+        return "its memory is not a private anonymous mapping"
+    prev_size, size_word = (ctypes.c_size_t * 2).from_address(chunk)
+    if not size_word & _malloc.IS_MMAPPED:
+        return "not a malloc chunk of its own mapping (glibc served it from the heap)"
+    start = chunk
+    if aligned and prev_size and (chunk - prev_size) % PAGE == 0 and prev_size < _MAX_ALIGNMENT:
+        start, size_word = chunk - prev_size, size_word + prev_size
+        covered = _anonymous_extent(start) if start < chunk - chunk % PAGE else covered
+        if covered is None:
+            return "its memory is not a private anonymous mapping"
+    elif chunk % PAGE:
+        return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
+    end, _layout = _malloc.mapping_end(start, size_word)
+    if (prev_size and start == chunk) or end is None:
+        return f"a malloc chunk of a layout memshare does not know (header {prev_size:#x}, {size_word:#x})"
+    if end < address + nbytes:
+        return "its malloc chunk is smaller than the array"
+    if covered < end:
+        return "its malloc chunk is not wholly private anonymous memory"
+    return None
+
+
+#: The largest alignment of an aligned chunk taken (a huge page): a larger prev_size is not an alignment's.
+_MAX_ALIGNMENT = 2 * 1024**2
+
+
+def _anonymous_extent(start: int) -> Optional[int]:
+    """The end of the run of private anonymous mappings from the one holding ``start``; None if it is not one.
+
+    The kernel merges neighbouring anonymous mappings, so a chunk's mapping
+    may be part of a larger one. glibc may name its mappings (the tunable
+    ``glibc.mem.decorate_maps``: ``[anon:glibc: malloc]``); they are still
+    private anonymous memory.
+    """
+    with open("/proc/self/maps", "rb") as maps:
+        lines = maps.read().splitlines()
+    end = None
+    for line in lines:
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split(b"-"))
+        named = len(fields) < 6 or fields[5].startswith(b"[anon:")
+        anonymous = named and fields[3] == b"00:00" and fields[4] == b"0" and fields[1] == b"rw-p"
+        if end is None and low <= start < high:
+            if not anonymous:
+                return None
+            end = high
+        elif end is not None and low == end and anonymous:
+            end = high  # split from its neighbour (by NumPy's madvise for huge pages, say)
+        elif end is not None and low >= end:
+            break
+    return end
+
+
+def map_count_room(needed: int) -> bool:
+    """True when this process can create ``needed`` more mappings (vm.max_map_count)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as limit:
+            maximum = int(limit.read())
+        with open("/proc/self/maps", "rb") as maps:
+            used = maps.read().count(b"\n")
+    except (OSError, ValueError):
+        return False
+    return used + needed + 1024 < maximum

@@ -1,0 +1,468 @@
+"""Arrays held once: a large ordinary array, once sent, keeps its data in its shared file.
+
+The first time a session sends an eligible array (:func:`unfit_reason`), its
+bytes go to a file of shared memory and the whole pages of its buffer become
+a private (copy-on-write) mapping of that file at the same addresses
+(*holding it once*): the array object does not change, and its memory is held
+once, by the parent and by every worker that maps the file. The file goes to
+workers read-only or copy-on-write only and is never written again: when a
+later call finds the array changed, its pages move to a new file, and the old
+one goes once no task reads it. :class:`SessionHolds` is one session's side of
+it: each array is looked at once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import _forksafe
+from .._compat import made_by_default_allocator
+from .._lifetime._folders import FolderPair, delete_file, reserve
+from .._lifetime._location import SHM_ROOT, Location, choose_location, free_bytes
+from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budget
+from .._lifetime._temp_folder import TempFolder
+from .._payload._routes import mode_unfit_reason
+from .._stats import HELD_ONCE, NOT_HELD_ONCE, CallStats, log_decision
+from .._transport._dumping import CHUNK_BYTES
+from .._transport._identity import IdentityTable
+from .._transport._refs import HELD, ArrayRef, data_address
+from . import _held_memory
+
+PAGE = _held_memory.PAGE
+#: Smallest array worth a file and two extra mappings of its own.
+MIN_BYTES = 16 * PAGE
+#: Mappings holding one array once may add (the file mapping splits the chunk's one or two).
+_MAPPINGS_PER_ARRAY = 3
+
+
+@dataclass
+class HeldFile:
+    """One file of an array held once: written once, then never changed.
+
+    Never rewritten in place, because a process may map it privately
+    without memshare knowing: a pending task, or a child forked by C code
+    (its unwritten pages read the file). It is deleted once it is no longer
+    the array's current file and no pending task reads it.
+    """
+
+    ref: ArrayRef
+    readers: int = 0  # pending tasks (any pool or call) that read it
+    current: bool = True
+
+
+@dataclass
+class Held:
+    """One array held once: its current file, and which part of its memory maps that file.
+
+    The mapping is private: a write by the parent copies the one page it
+    touches, so the file, which workers read, does not change, and a
+    forked child's writes stay in the child.
+    """
+
+    file: HeldFile  # the array as of its last move; older files live on while tasks read them
+    address: int
+    nbytes: int
+    first_page: int  # [first_page, end_page) maps the file; the rest is ordinary memory
+    end_page: int
+    owner: int = field(default_factory=os.getpid)  # a forked child must not free the parent's files
+    # Taken for a whole refresh: another session refreshing the same array waits, then finds it current.
+    _lock: object = field(default_factory=_forksafe.lock, repr=False)
+
+    @property
+    def ref(self) -> ArrayRef:
+        """The reference to the current file, read-only."""
+        return self.file.ref
+
+    def acquire(self) -> HeldFile:
+        """One more pending task reads the current file; the file, to :meth:`release` when it is done."""
+        with self._lock:
+            self.file.readers += 1
+            return self.file
+
+    def release(self, file: HeldFile) -> None:
+        """A task that read ``file`` is done: a file no longer current goes with its last reader."""
+        with self._lock:
+            file.readers -= 1
+            if not file.current and file.readers <= 0:
+                self._delete(file)
+
+    def reference(self, worker_mode: str, file: Optional[HeldFile] = None) -> ArrayRef:
+        """The reference workers map ``file`` (default: the current one) with, in ``worker_mode``; never writable.
+
+        Raises ``ValueError`` for a writable mode (see :func:`mode_unfit_reason`):
+        the caller must dump the array instead.
+        """
+        reason = mode_unfit_reason(worker_mode)
+        if reason is not None:
+            raise ValueError(f"memshare: an array held once cannot be sent as it is: {reason}")
+        return dataclasses.replace((file or self.file).ref, mode=worker_mode)
+
+    def describes(self, array: np.ndarray) -> bool:
+        """True while ``array``'s memory is still the range that was held once."""
+        return data_address(array) == self.address and array.nbytes == self.nbytes
+
+    def refresh(self, array: np.ndarray) -> Optional[int]:
+        """Make the current file hold ``array``'s bytes; the bytes written (0: it did), or None when it cannot tell.
+
+        ``/proc/self/pagemap`` tells which pages were written since the last
+        move: a page present and no longer a file page (or swapped out) was
+        copied by a write. That reads 8 bytes a page (2 MB for 1 GiB) instead
+        of the array. The first and last pages, partly outside the array, are
+        ordinary memory and compared byte by byte. When anything changed, the
+        whole array moves to a new file (as when it was first held) and the
+        old file goes once no task reads it: a task sees its arguments as
+        they were when it was packed, however many earlier tasks still run.
+
+        None means: the array's memory moved or shrank, or its pages' flags
+        could not be read; the caller then dumps it. Raises ``OSError`` when
+        the new file could not be written; the record is then unusable (part
+        of the array maps the new file) and the caller must :func:`forget` it.
+        """
+        with self._lock:
+            if not self.describes(array):
+                return None
+            try:
+                changed = _held_memory.changed_pages(self.first_page, self.end_page)
+                if changed.size == 0 and self._edges_match():
+                    return 0
+            except OSError:
+                return None
+            file = HeldFile(_registry.write_file(array, self.first_page, self.end_page))
+            old, self.file = self.file, file
+            old.current = False
+            if old.readers <= 0:
+                self._delete(old)
+            return self.nbytes
+
+    def _edges_match(self) -> bool:
+        """True when the partial first and last pages still hold the current file's bytes."""
+        edges = [
+            (self.address, self.first_page - self.address),
+            (self.end_page, self.address + self.nbytes - self.end_page),
+        ]
+        edges = [(start, length) for start, length in edges if length]
+        if not edges:
+            return True
+        fd = _open_for_reading(self.file.ref)
+        try:
+            offset = self.file.ref.offset - self.address
+            return all(_held_memory.same_bytes(fd, offset + start, start, length) for start, length in edges)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """The array is gone: its current file goes now, or with its last reader.
+
+        NumPy's ``free()`` unmapped the whole malloc chunk, the file mapping
+        with it, before this weak reference callback runs. A forked child
+        inherits the callback too; only the process that held the array
+        once frees its files.
+        """
+        with self._lock:
+            self.file.current = False
+            if self.file.readers <= 0:
+                self._delete(self.file)
+
+    def _delete(self, file: HeldFile) -> None:
+        if os.getpid() == self.owner:
+            delete_file(file.ref.path)
+
+
+def _open_for_reading(ref: ArrayRef) -> int:
+    """A descriptor of a held file of this process, opened to compare bytes with it."""
+    if is_memfd_path(ref.path):
+        return duplicate(ref.path)
+    fd = os.open(ref.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    if not ref.is_file(os.fstat(fd)):
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, f"memshare: {ref.path!r} was replaced")
+    return fd
+
+
+def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]) -> Optional[str]:
+    """Why ``array`` cannot be held once, or None when it can.
+
+    Held once: on Linux with glibc's malloc and the C helper built, an array
+    that owns its data, made by NumPy's default allocator, in a malloc chunk
+    that glibc served with a mapping of its own; C or Fortran contiguous, so
+    that the file has the memory's exact layout; sent with workers mapping
+    read-only or copy-on-write; only where memshare chooses the location (no
+    ``temp_folder``) and the file fits in shared memory or the memfd budget.
+    An array held by an earlier call is sent as it is whatever the call's
+    ``temp_folder``: it needs no new file (see :class:`SessionHolds`).
+    An array :func:`vouch` was told of (a torch tensor's storage) need not own
+    its memory or come from NumPy: its memory must be a chunk of its own all
+    the same, which an aligned allocation may be.
+    """
+    unsupported = _held_memory.unsupported_reason()
+    if unsupported is not None:
+        return unsupported
+    mode_reason = mode_unfit_reason(worker_mode)
+    if mode_reason is not None:
+        return mode_reason
+    location = choose_location(temp_folder)
+    if location.in_memory and not within_budget():
+        # Its memfd would be one more descriptor kept for the array's whole life (see _memfd).
+        return f"memshare holds {held_count()} memfds, its budget of descriptors (half of ulimit -n)"
+    if not location.in_memory and location.base != SHM_ROOT:
+        return f"it would live in a file outside shared memory ({location.reason})"
+    if not location.in_memory and temp_folder is not None:
+        return f"its files go where the user asked ({location.reason})"
+    vouched = _registry.vouched(array)
+    if not vouched and (isinstance(array, np.memmap) or array.base is not None or not array.flags.owndata):
+        return "it does not own its memory"
+    if not (array.flags.c_contiguous or array.flags.f_contiguous):
+        return "it is not contiguous"
+    if array.nbytes < MIN_BYTES:
+        return "it is too small to be worth a file of its own"
+    if not vouched and not made_by_default_allocator(array):
+        return "its memory does not come from NumPy's default allocator"
+    not_own_mapping = _held_memory.mmapped_chunk(data_address(array), array.nbytes, aligned=vouched)
+    if not_own_mapping is not None:
+        return not_own_mapping
+    if not _held_memory.map_count_room(_MAPPINGS_PER_ARRAY):
+        return "the process is near its limit of memory mappings (vm.max_map_count)"
+    return None
+
+
+class _Registry:
+    """The process's arrays held once, found by identity.
+
+    One per process because holding an array once changes the process's own memory: any
+    pool or call of the process that sends the array again must find its
+    file. Cleared (not released) in a forked child: the files are the
+    parent's, and the child's private pages are its own.
+    """
+
+    def __init__(self) -> None:
+        self.lock = _forksafe.lock()
+        self.holding = _forksafe.lock()  # held while one array is made held once (see hold)
+        self.held: IdentityTable[Held] = IdentityTable()
+        # Arrays over memory another owner keeps while they live (see vouch).
+        self.vouched_for: IdentityTable[None] = IdentityTable()
+        # One folder per location (memfds, or named files in /dev/shm), made on
+        # first use, so that a changed setting takes effect for later arrays
+        # while the files of earlier ones stay where they are.
+        self.folders: Dict[Location, TempFolder] = {}
+
+    def lookup(self, array: np.ndarray) -> Optional[Held]:
+        with self.lock:
+            return self.held.get(array)
+
+    def vouched(self, array: np.ndarray) -> bool:
+        with self.lock:
+            return array in self.vouched_for
+
+    def forget(self, array: np.ndarray) -> None:
+        """Stop holding ``array`` once (its memory moved): its file goes, its pages stay as they are."""
+        with self.lock:
+            held = self.held.get(array)
+            if held is not None:
+                self.held.remove(array)
+        if held is not None:
+            held.close()
+
+    def hold(self, array: np.ndarray) -> Tuple[Held, float]:
+        """Hold ``array`` once, unless another thread just did; the record and the seconds taken.
+
+        Promotions are serialised: two pools or calls in two threads sending
+        the same new array must not both remap it (the first file would stay
+        mapped by nobody's record and never be freed).
+        """
+        with self.holding:
+            held = self.lookup(array)
+            if held is not None:
+                return held, 0.0
+            started = time.perf_counter()
+            address, nbytes = data_address(array), array.nbytes
+            first_page = -(-address // PAGE) * PAGE
+            end_page = (address + nbytes) // PAGE * PAGE
+            ref = self.write_file(array, first_page, end_page)
+            held = Held(HeldFile(ref), address, nbytes, first_page, end_page)
+            with self.lock:
+                self.held.add(array, held, Held.close)
+            return held, time.perf_counter() - started
+
+    def write_file(self, array: np.ndarray, first_page: int, end_page: int) -> ArrayRef:
+        """Write ``array`` into a new file and map the file over its whole pages ``[first_page, end_page)``.
+
+        Raises ``OSError`` when shared memory has no room. The array's values
+        are right whatever happens: a piece is remapped only once its bytes
+        are in the file, piece by piece (``CHUNK_BYTES``), so the extra
+        memory at any moment is one piece, and a thread writing into a piece
+        meanwhile waits for the new mapping (``_remap``). The partial first
+        and last pages stay ordinary memory: a write racing with their copy
+        may or may not reach the file (as any write racing with a send), but
+        never leaves the parent's memory.
+        """
+        pair = self._pair()
+        address, nbytes = data_address(array), array.nbytes
+        head = address % PAGE
+        # Room is reserved piece by piece, just before each piece is written:
+        # reserving it all first would allocate the whole file while the
+        # array's own pages still exist, holding the data twice at the peak.
+        pieces = [(address, first_page - address, False)]
+        for start in range(first_page, end_page, CHUNK_BYTES):
+            pieces.append((start, min(CHUNK_BYTES, end_page - start), True))
+        pieces.append((end_page, address + nbytes - end_page, False))
+        path, fd = pair.create_file(0, HELD, warn=False)
+        try:
+            free = None if pair.in_memory else free_bytes(pair.primary)
+            if pair.is_fallback(path) or (free is not None and free < head + nbytes):
+                raise OSError(errno.ENOSPC, "no room in shared memory for its file")
+            for start, length, remap in pieces:
+                if not length:
+                    continue
+                offset = head + start - address
+                reserve(fd, offset, length)
+                if remap:
+                    _held_memory.copy_then_remap(fd, offset, start, length)
+                else:
+                    _held_memory.write_range(fd, offset, start, length)
+            return ArrayRef.in_file(
+                path,
+                os.fstat(fd),
+                kind=HELD,
+                mode="r",
+                offset=head,
+                shape=tuple(array.shape),
+                strides=tuple(array.strides),
+                dtype=array.dtype,
+            )
+        except BaseException:
+            # Pieces remapped already hold the right bytes privately; the
+            # file's name goes, its memory stays while they map it.
+            delete_file(path)
+            raise
+        finally:
+            os.close(fd)  # the file lives on: a memfd is held by _memfd, a named file by its name
+
+    def _pair(self) -> FolderPair:
+        """The folder pair new held files go to: memfds, or else named files, which only ever go to /dev/shm."""
+        with self.lock:
+            location = choose_location()
+            if location not in self.folders:
+                self.folders[location] = TempFolder(location=location) if location.in_memory else TempFolder(SHM_ROOT)
+            return self.folders[location].pair
+
+
+# Per process, see _Registry.
+_registry = _Registry()
+
+
+def _reset_after_fork() -> None:
+    """In a forked child: forget the parent's arrays held once (the child's memfd copies are closed by _memfd)."""
+    global _registry
+    _registry = _Registry()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def lookup(array: np.ndarray) -> Optional[Held]:
+    """The record of ``array`` if it is held once, else None."""
+    return _registry.lookup(array)
+
+
+def hold(array: np.ndarray) -> Tuple[Held, float]:
+    """Hold ``array`` once (see :meth:`_Registry.hold`)."""
+    return _registry.hold(array)
+
+
+def forget(array: np.ndarray) -> None:
+    """Stop holding ``array`` once; its file goes."""
+    _registry.forget(array)
+
+
+def vouch(array: np.ndarray) -> None:
+    """``array`` may be held once though it does not own its memory: the owner of that memory lives at least as
+    long as ``array`` and frees it with ``free()`` (the byte array of a torch storage, see ``_torch``).
+
+    The file then goes when ``array`` is collected, while the memory may live
+    on in the owner's other users: its pages keep mapping the deleted file,
+    privately, and a later array over them is not held again (its memory is
+    no longer anonymous) but dumped.
+    """
+    with _registry.lock:
+        _registry.vouched_for.add(array, None)
+
+
+class SessionHolds:
+    """One session's arrays held once: each array is held or refreshed once per generation, not once per task.
+
+    Remembers, per array, the generation in which its file was last brought
+    up to date and the one in which it was last refused (the reason logged
+    then, once per call). Not thread-safe on its own: the session calls it
+    with its lock held.
+    """
+
+    def __init__(self, stats: CallStats) -> None:
+        self._stats = stats
+        self._refreshed: IdentityTable[int] = IdentityTable()
+        self._refused: IdentityTable[int] = IdentityTable()
+
+    def hold(
+        self, array: np.ndarray, generation: int, worker_mode: str, temp_folder: Optional[str]
+    ) -> Optional[Tuple[Held, HeldFile]]:
+        """``array``'s record and its file, current for ``generation``, acquired for one task; None: dump it.
+
+        An array is held once the first time, brought up to date once per
+        generation after that (a new file if it changed), and refused
+        (dumped) when it cannot be held once or its pages cannot be read.
+        One held by an earlier call is used whatever ``temp_folder``. The
+        caller releases the file (:meth:`Held.release`) when the task is
+        done. ``worker_mode`` must be one of ``_routes.SAFE_MODES``.
+        """
+        if self._refused.get(array) == generation:
+            return None
+        held = lookup(array)
+        if held is None:
+            reason = unfit_reason(array, worker_mode, temp_folder)
+            if reason is None:
+                try:
+                    held, seconds = hold(array)
+                except OSError as exc:
+                    reason = f"{exc.strerror or exc}"
+            if held is None:
+                self.refuse(array, generation, reason)
+                return None
+            self._stats.add(arrays_held_once=1, bytes_held_once=array.nbytes, dump_seconds=seconds)
+            log_decision(HELD_ONCE, array, held.ref.path, seconds)
+            self._refreshed.add(array, generation)
+        elif self._refreshed.get(array) != generation:
+            started = time.perf_counter()
+            try:
+                rewritten = held.refresh(array)
+            except OSError as exc:
+                forget(array)  # part of it maps the unfinished file: never trusted again
+                self.refuse(array, generation, f"its new file could not be written: {exc.strerror or exc}")
+                return None
+            if rewritten is None:
+                if not held.describes(array):
+                    forget(array)  # its memory moved (ndarray.resize): a plain array again
+                self.refuse(array, generation, "its memory moved, or its pages' flags cannot be read")
+                return None
+            if rewritten:
+                seconds = time.perf_counter() - started
+                self._stats.add(bytes_refreshed=rewritten, dump_seconds=seconds)
+                log_decision(HELD_ONCE, array, f"{held.ref.path} (changed since its last file)", seconds)
+            self._refreshed.add(array, generation)
+        return held, held.acquire()
+
+    def refuse(self, array: np.ndarray, generation: int, reason: str) -> None:
+        """``array`` is dumped, not held once, in ``generation`` because of ``reason`` (logged once per generation)."""
+        if self._refused.get(array) != generation:
+            self._refused.add(array, generation)
+            log_decision(NOT_HELD_ONCE, array, f"dumped instead: {reason}")
+
+    def clear(self) -> None:
+        self._refreshed.clear()
+        self._refused.clear()

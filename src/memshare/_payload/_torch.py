@@ -1,0 +1,216 @@
+"""CPU torch tensors sent as the NumPy arrays they share memory with, so that large ones travel by reference.
+
+torch pickles a tensor by copying its whole storage into the stream, once
+per task, and the receiver copies it again. A CPU tensor of a dtype NumPy
+has is, byte for byte, a NumPy view of its storage (``Tensor.numpy()``
+shares the memory), so it can take the road of an array: held once, dumped
+once per call or sent as a reference, and rebuilt with
+``torch.from_numpy`` over the receiver's mapping, with the tensor's dtype,
+shape and strides. A result comes back through a result file as a tensor
+over the parent's mapping. The byte array of a storage is vouched for
+(``_held_once.vouch``): held once when its memory is a malloc chunk of its
+own, as torch's allocator gives large tensors.
+
+torch has no read-only tensors, and a write into a read-only mapping kills
+the process: an argument tensor's file is therefore always mapped
+copy-on-write (``_reducers`` turns the call's read-only mode into
+copy-on-write for these arrays), so a task's writes stay its own.
+
+Only what comes back as torch's pickle gives it: a tensor of exactly
+``torch.Tensor`` (subclasses, ``nn.Parameter`` among them, pickle their own
+state), on the CPU, strided, not requiring grad, not quantized, nested,
+named, conjugated or negated (lazy bits), with no attributes of its own,
+of a dtype NumPy has (not ``bfloat16``, ``complex32`` or the float8 types),
+and of at least :data:`SMALL` bytes. Anything else is pickled by torch, as
+before. Within one task, two tensors sharing a storage arrive as two
+tensors over their own memory, as two views of one NumPy array do.
+
+memshare never imports torch in the sender: only a tensor of a process that
+imported torch is met. The receiver imports it, as torch's pickle would.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import _forksafe
+from .._parent import _held_once
+from .._transport._identity import IdentityTable
+
+#: Tensors below this many bytes (joblib's default ``max_nbytes``) are pickled by torch.
+SMALL = 1 << 20
+
+#: A pickle reduction: (callable, arguments).
+Reduction = Tuple[Callable[..., Any], tuple]
+
+
+def tensor_class() -> Optional[type]:
+    """``torch.Tensor`` when torch is imported already (it is never imported here), else None."""
+    torch = sys.modules.get("torch")
+    found = getattr(torch, "Tensor", None)
+    return found if isinstance(found, type) else None
+
+
+def _numpy_dtype(tensor: Any) -> Optional[np.dtype]:
+    """The NumPy dtype of ``tensor``'s elements, or None when NumPy has none (``bfloat16``...)."""
+    try:
+        return tensor.new_empty(0).numpy().dtype
+    except Exception:  # torch's TypeError for a dtype NumPy lacks
+        return None
+
+
+def unfit_reason(tensor: Any) -> Optional[str]:
+    """Why ``tensor`` is pickled by torch rather than sent as an array, or None when it can travel as one."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(tensor) is not torch.Tensor:
+        return "it is not exactly a torch.Tensor"
+    if tensor.device.type != "cpu":
+        return "it is not on the CPU"
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return "it is not a strided tensor"
+    if tensor.requires_grad:
+        return "it requires grad"
+    if tensor.is_quantized:
+        return "it is quantized"
+    if tensor.is_conj() or tensor.is_neg():
+        return "its conjugate or negative bit is set"
+    if any(name is not None for name in getattr(tensor, "names", None) or ()):  # torch without named tensors: none
+        return "it has named dimensions"
+    if tensor.__dict__:
+        return "it has attributes of its own"
+    if tensor.element_size() * tensor.numel() < SMALL:
+        return "it is small"
+    if _numpy_dtype(tensor) is None:
+        return f"NumPy has no dtype {tensor.dtype}"
+    return None
+
+
+class _Views:
+    """Each tensor's NumPy view, made once per tensor and kept while the tensor lives.
+
+    Per process because a tensor is sent by any pool or call of the
+    process, and the dump table and arrays held once key on the identity of
+    the array: the same tensor must give the same array each time, or it
+    would be written again for each task. Every view of one storage has one
+    base, a byte array of the whole storage, so that the storage is dumped
+    (or held once) once whichever of its tensors are sent. An entry goes
+    when its tensor is collected; it does not keep the tensor alive (the
+    base views the storage through a tensor of its own). Valid as it is in a
+    forked child, whose memory is a copy.
+    """
+
+    def __init__(self) -> None:
+        self._lock = _forksafe.lock()
+        self._views: IdentityTable[Tuple[np.ndarray, int, int]] = IdentityTable()
+        self._bases: Dict[Tuple[int, int], weakref.ref] = {}  # (address, nbytes) of a storage -> its byte array
+
+    def of(self, tensor: Any) -> np.ndarray:
+        """``tensor``'s view, remade when its storage moved (``resize_``) since the view was made."""
+        storage = tensor.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            found = self._views.get(tensor)
+            if found is not None and found[1:] == (address, nbytes) and _same_geometry(found[0], tensor):
+                return found[0]
+            view = _view(tensor, self._base(storage, address, nbytes))
+            self._views.add(tensor, (view, address, nbytes))
+            return view
+
+    def _base(self, storage: Any, address: int, nbytes: int) -> np.ndarray:
+        """The byte array of the storage at ``address``, made once while any view of it lives."""
+        key = (address, nbytes)
+        known = self._bases.get(key)
+        base = known() if known is not None else None
+        # A storage that moved leaves its old byte array on freed memory: never reused.
+        if base is not None and base.base.untyped_storage().data_ptr() == address:
+            return base
+        torch = sys.modules["torch"]
+        base = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        _held_once.vouch(base)  # the storage lives as long as its byte array: held once if its memory allows
+
+        def collected(ref: weakref.ref) -> None:
+            if self._bases.get(key) is ref:
+                del self._bases[key]
+
+        self._bases[key] = weakref.ref(base, collected)
+        return base
+
+
+def _same_geometry(view: np.ndarray, tensor: Any) -> bool:
+    itemsize = view.itemsize
+    return (
+        view.shape == tuple(tensor.shape)
+        and view.strides == tuple(stride * itemsize for stride in tensor.stride())
+        and view.__array_interface__["data"][0] == tensor.data_ptr()
+    )
+
+
+def _view(tensor: Any, base: np.ndarray) -> np.ndarray:
+    """A NumPy view with ``tensor``'s geometry over ``base``, the byte array of its whole storage.
+
+    The byte array is the view's base, so that a large view of a storage is
+    dumped (or held) as the storage with the view in it, keeping its
+    strides (see ``_routes``).
+    """
+    dtype = _numpy_dtype(tensor)
+    itemsize = dtype.itemsize
+    return np.ndarray(
+        shape=tuple(tensor.shape),
+        dtype=dtype,
+        buffer=base,
+        offset=tensor.storage_offset() * itemsize,
+        strides=tuple(stride * itemsize for stride in tensor.stride()),
+    )
+
+
+# Per process: see _Views.
+_views = _Views()
+
+
+def argument_array(tensor: Any) -> Optional[np.ndarray]:
+    """The array an argument ``tensor`` travels as (the same array each time), or None: torch pickles it."""
+    try:
+        return None if unfit_reason(tensor) is not None else _views.of(tensor)
+    except Exception:  # anything this torch does not answer as expected: torch pickles it, as before
+        return None
+
+
+def result_array(tensor: Any) -> Optional[np.ndarray]:
+    """The array a result ``tensor`` travels as, or None: torch pickles it."""
+    try:
+        return None if unfit_reason(tensor) is not None else tensor.numpy()
+    except Exception:  # as argument_array
+        return None
+
+
+def reduction(array: np.ndarray, strides: Tuple[int, ...]) -> Reduction:
+    """How a tensor that travels as ``array`` is pickled; ``strides`` are its own, in elements."""
+    return from_array, (array, strides)
+
+
+def from_array(array: np.ndarray, strides: Tuple[int, ...]) -> Any:
+    """The receiver's tensor over ``array``'s memory, with ``strides`` (in elements).
+
+    ``array`` is writable: a copy-on-write mapping, a result's mapping, or
+    pickled by value. A read-only one is copied rather than given to torch,
+    which would crash on a write. An array that arrived in another layout
+    (a small view dumped alone, written compactly) is copied into the
+    tensor's own strides.
+    """
+    import torch  # the sender's objects were tensors: the receiver needs torch, as torch's own pickle would
+
+    if not array.flags.writeable:
+        array = array.copy()
+    tensor = torch.from_numpy(array)
+    if tuple(tensor.stride()) != tuple(strides) and tensor.numel() > 1:
+        strided = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype)
+        strided.copy_(tensor)
+        tensor = strided
+    return tensor
+
+
+__all__ = ["SMALL", "argument_array", "from_array", "reduction", "result_array", "tensor_class", "unfit_reason"]

@@ -1,0 +1,352 @@
+"""References to array memory that lives in a file, and how to find them.
+
+An :class:`ArrayRef` is what travels between processes instead of an array's
+bytes: the file, its identity (device and inode, so that a recycled path is
+never mistaken for the original), and the array's geometry in it. It can
+describe any strided view, including transposes, negative strides and
+offsets that are not page-aligned, so a worker rebuilds exactly the parent's
+array: same values, shape, strides, dtype and order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .._lifetime import _memfd
+from .._lifetime._owners import parse_folder_name
+
+#: What the file behind a reference is, which decides its lifetime and how
+#: results that view it come back (see ``_result_policy`` and ``_adopt``).
+DUMP = "dump"  # written by memshare for one pool or call; temporary
+RESULT = "result"  # written by a worker for a result; the parent adopts it
+SHARED = "shared"  # a memshare.empty()/share() array owned by the user's process
+HELD = "held"  # an ordinary array of the parent held once: the file is its memory (``_held_once``)
+USER = "user"  # any other file mapping the user made (np.memmap, mmap.mmap)
+_KINDS = (DUMP, RESULT, SHARED, HELD)  # memshare's own files
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """Where an array's elements are in a file, and how to map them."""
+
+    path: str
+    device: int
+    inode: int
+    kind: str
+    mode: str  # the mode workers map the file with: 'r', 'r+' or 'c'
+    offset: int  # file offset of the element at index (0, ..., 0)
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    dtype: np.dtype
+    # What the rebuilt np.memmap reports as ``.offset`` and ``.mode``. numpy
+    # gives every slice of a memmap the offset and mode the memmap was opened
+    # with; for a view of the user's own memmap the rebuilt array must report
+    # the same. None for memshare's own files (offset 0, the mapping's mode).
+    memmap_offset: Optional[int] = None
+    memmap_mode: Optional[str] = None
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        # Cached (in the instance's __dict__, which a frozen dataclass allows): a session sums
+        # it over every dump it holds, thousands of times in a call over thousands of arrays.
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def in_file(cls, path: str, info: os.stat_result, **geometry: Any) -> ArrayRef:
+        """A reference into the file at ``path`` whose stat result is ``info``; ``geometry`` gives the other fields."""
+        device, inode = file_identity(info)
+        return cls(path=path, device=device, inode=inode, **geometry)
+
+    def is_file(self, info: os.stat_result) -> bool:
+        """True when ``info`` (a stat result) is this reference's file, not another one now at its path."""
+        return file_identity(info) == (self.device, self.inode)
+
+
+def file_identity(info: os.stat_result) -> Tuple[int, int]:
+    """(device, inode) of a stat result: what tells a file from a later one at the same path."""
+    return info.st_dev, info.st_ino
+
+
+def is_file(path: str, identity: Tuple[int, int]) -> bool:
+    """True while ``path`` stats to the file of ``identity`` (device, inode): not deleted, not replaced."""
+    try:
+        return file_identity(os.stat(path)) == identity
+    except OSError:
+        return False
+
+
+def data_address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def root_array(array: np.ndarray) -> np.ndarray:
+    """The outermost ndarray in ``array``'s chain of bases."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _nearest_memmap(array: np.ndarray) -> Optional[np.memmap]:
+    """The first ``np.memmap`` over a file in ``array``'s chain of bases, itself first."""
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and getattr(array, "filename", None):
+            return array
+        array = array.base
+    return None
+
+
+def _outermost_memmap(array: np.ndarray) -> Optional[np.memmap]:
+    """The last ``np.memmap`` over a file in ``array``'s chain of bases: the one that maps the file.
+
+    numpy's own memmap is the root of its chain (its base is the ``mmap``);
+    memshare maps a reference as a memmap over a plain array over a mapping
+    that keeps no descriptor (``_mapping.map_file``), one level further in.
+    Either way its ``offset`` is the file offset of its first byte.
+    """
+    found = None
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and getattr(array, "filename", None):
+            found = array
+        array = array.base
+    return found
+
+
+def _maps_file(owner: Any) -> bool:
+    """True when ``owner``, the base of an array chain's root, is a mapping of a file.
+
+    An ``mmap.mmap``, or the owner of a mapping memshare made without a
+    descriptor, which says so with a ``maps_file`` class attribute.
+    """
+    return isinstance(owner, mmap.mmap) or getattr(type(owner), "maps_file", False) is True
+
+
+def is_copy_on_write(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a copy-on-write ``np.memmap`` (``mode="c"``)."""
+    top = _outermost_memmap(array)
+    return top is not None and top.mode in ("c", "copyonwrite")
+
+
+def is_raw_mapping(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a file mapping with no ``np.memmap`` in its chain of bases.
+
+    An ``mmap.mmap`` the user made (or ``multiprocessing.shared_memory``):
+    unlike a memmap, it has no mode of its own for workers to keep.
+    """
+    return _outermost_memmap(array) is None and _maps_file(_owner(root_array(array)))
+
+
+def maps_privately(array: np.ndarray) -> bool:
+    """True when ``array``'s memory is a private (copy-on-write) mapping of a file.
+
+    A copy-on-write ``np.memmap``, or a raw mapping made with
+    ``mmap.ACCESS_COPY`` or ``mmap.MAP_PRIVATE``, which ``/proc/self/maps``
+    lists as private. Its written pages are private to this process and may
+    differ from the file.
+    """
+    if _outermost_memmap(array) is not None:
+        return is_copy_on_write(array)
+    root = root_array(array)
+    if not _maps_file(_owner(root)):
+        return False
+    located = _locate_mapping(*_byte_span(root))
+    return located is not None and located[2]
+
+
+def kind_of_path(path: str) -> str:
+    """Classify a file by its name: memshare's own files carry their kind.
+
+    A memfd's ``/proc/<pid>/fd/<n>`` path is classified by the name its link
+    shows (``/memfd:memshare-<kind>-...``).
+    """
+    if _memfd.is_memfd_path(path):
+        kind = _memfd.kind_of(path)
+        return kind if kind in _KINDS else USER
+    folder, name = os.path.split(path)
+    owner_folder = os.path.basename(folder)
+    if parse_folder_name(owner_folder) is None:
+        return USER
+    prefix = name.split("-", 1)[0]
+    return prefix if prefix in _KINDS else USER
+
+
+def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[ArrayRef]:
+    """A reference to the file that ``array``'s memory maps, if there is one.
+
+    A copy-on-write mapping has none (its private pages may differ from the
+    file) unless ``copy_on_write``: the caller checked that none is private.
+    That is a ``mode="c"`` memmap, or a raw mapping that ``/proc/self/maps``
+    lists as private (``mmap.ACCESS_COPY``, ``mmap.MAP_PRIVATE``).
+
+    Covers ``np.memmap`` and its views at any depth (found through the
+    public ``filename``/``offset`` of the memmap that owns the mapping) and,
+    on Linux, arrays over a raw ``mmap.mmap`` of a file, directly or through a
+    ``memoryview`` as ``multiprocessing.shared_memory`` gives (found through
+    ``/proc/self/maps``). Returns None for ordinary memory. The mode of a
+    raw mapping's reference is its own ('r+', 'r' or 'c'): the caller gives
+    it the call's (``_routes.input_route``).
+    """
+    root = root_array(array)
+    if not _maps_file(_owner(root)):
+        return None
+    memmap_offset = memmap_mode = None
+    top = _outermost_memmap(array)
+    if top is not None:
+        # The file offset of top's first byte, moved to root's: offsets below count from root.
+        path, root_offset = top.filename, int(top.offset) - (data_address(top) - data_address(root))
+        if not _still_maps(root, path):
+            return None
+        mode = _mapping_mode(top.mode)
+        nearest = _nearest_memmap(array)
+        memmap_offset = int(nearest.offset)
+        # 'w+' is reported as 'r+', as joblib does: reopening a file with
+        # np.memmap(x.filename, mode=x.mode) must not zero it.
+        memmap_mode = _mapping_mode(nearest.mode)
+    else:
+        located = _locate_mapping(*_byte_span(root))
+        if located is None:
+            return None
+        path, root_offset, private = located
+        mode = "c" if private else "r+" if root.flags.writeable else "r"
+    if mode == "c" and not copy_on_write:
+        # A copy-on-write mapping's private pages differ from the file: the
+        # file is not the array's content, so it must travel by value.
+        return None
+    if not array.flags.writeable:
+        mode = "r"
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    offset = root_offset + data_address(array) - data_address(root)
+    return ArrayRef.in_file(
+        path,
+        info,
+        kind=kind_of_path(path),
+        mode=mode,
+        offset=offset,
+        shape=tuple(array.shape),
+        strides=tuple(array.strides),
+        dtype=array.dtype,
+        memmap_offset=memmap_offset,
+        memmap_mode=memmap_mode,
+    )
+
+
+def _still_maps(root: np.ndarray, path: Optional[str]) -> bool:
+    """True when the file now at a memmap's ``path`` is the one its memory maps.
+
+    A file replaced since it was mapped (``os.replace`` of a new version,
+    say) leaves the memmap on the old file, which ``/proc/self/maps`` then
+    lists as deleted or under another name: a reference to ``path`` would
+    give workers the new file's bytes. Where ``/proc`` cannot tell (not
+    Linux), the memmap's own path is trusted, as before.
+    """
+    if path is None:
+        return False
+    if kind_of_path(path) != USER or not sys.platform.startswith("linux") or not os.path.exists("/proc/self/maps"):
+        return True  # memshare's own files (memfds among them) are never replaced under a mapping
+    same = _maps_same_file(_owner(root), path)
+    if same is not None:
+        return same
+    located = _locate_mapping(*_byte_span(root))
+    return located is not None and located[0] == os.path.realpath(path)
+
+
+def _maps_same_file(mapping: Any, path: str) -> Optional[bool]:
+    """Whether the ``mmap.mmap`` ``mapping`` maps the file now at ``path``; None when it cannot tell.
+
+    One ``stat`` of the mapping's ``/proc/self/map_files`` entry, which names
+    the mapped inode even once it is replaced or deleted, against one of
+    ``path``: a thousand times cheaper than reading ``/proc/self/maps``. The
+    entry exists only while the kernel keeps the mapping as one region (not
+    split by ``mprotect`` or merged with a neighbour): None sends the caller
+    to the full scan.
+    """
+    if not isinstance(mapping, mmap.mmap) or len(mapping) == 0:
+        return None
+    try:
+        start = data_address(np.frombuffer(mapping, dtype=np.uint8, count=1))
+        end = start + -(-len(mapping) // mmap.PAGESIZE) * mmap.PAGESIZE
+        mapped = os.stat(f"/proc/self/map_files/{start:x}-{end:x}")
+        now = os.stat(path)
+    except (OSError, ValueError, TypeError):
+        return None
+    return (mapped.st_dev, mapped.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _mapping_mode(memmap_mode: str) -> str:
+    """The mode to map a file with for a memmap of ``memmap_mode``: 'r', 'r+' or 'c'."""
+    return {"w+": "r+", "readwrite": "r+", "write": "r+", "readonly": "r", "copyonwrite": "c"}.get(
+        memmap_mode, memmap_mode
+    )
+
+
+def _owner(root: np.ndarray) -> Any:
+    """What owns the memory of ``root``, the outermost array of a chain (through a memoryview, its object)."""
+    return root.base.obj if isinstance(root.base, memoryview) else root.base
+
+
+def _byte_span(array: np.ndarray) -> Tuple[int, int]:
+    """[first, end) addresses of the bytes ``array``'s elements occupy (any strides)."""
+    low = high = data_address(array)
+    if array.size == 0:
+        return low, low + 1  # no bytes: where it points, as for a byte
+    for count, stride in zip(array.shape, array.strides):
+        reach = (count - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high + array.itemsize
+
+
+def _locate_mapping(start: int, end: int) -> Optional[Tuple[str, int, bool]]:
+    """(path, file offset of ``start``, private) of the file mapping of this process that holds [start, end).
+
+    The range may span several entries of ``/proc/self/maps`` (the kernel
+    splits a mapping whose pages differ in protection or advice): each must
+    map the same file at the next offset. Private when any entry is
+    (``p`` in its permissions): its written pages are not the file's.
+    None when the range is not wholly one file's mapping.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    found: Optional[Tuple[str, int, bool]] = None
+    reached = start  # the first address not yet covered
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        low, high = (int(x, 16) for x in fields[0].split(b"-"))
+        if high <= reached:
+            continue
+        if low > reached:
+            return None  # a hole, or the range starts outside any mapping
+        path = fields[5].strip()
+        if not path.startswith(b"/") or path.endswith(b" (deleted)"):
+            return None
+        offset = int(fields[2], 16) + reached - low
+        private = fields[1].endswith(b"p")
+        if found is None:
+            found = (os.fsdecode(path), offset, private)
+        elif os.fsdecode(path) != found[0] or offset != found[1] + reached - start:
+            return None  # another file, or the same one at another offset
+        else:
+            found = (found[0], found[1], found[2] or private)
+        reached = high
+        if reached >= end:
+            return found
+    return None
