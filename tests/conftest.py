@@ -91,7 +91,7 @@ def shm_dir(tmp_path, monkeypatch):
 
 #: Runs ``python -m memshare`` in a fresh interpreter whose shared memory root is its first argument.
 _CLI_WITH_SHM_ROOT = (
-    "import sys; from memshare import _location; _location.SHM_ROOT = sys.argv.pop(1); "
+    "import sys; from memshare._lifetime import _location; _location.SHM_ROOT = sys.argv.pop(1); "
     "from memshare.__main__ import main; sys.exit(main())"
 )
 
