@@ -229,7 +229,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         future.memshare_feed = feed
 
         def release_then_report(done):
-            feed.ended(deferred)  # the feeder may pack the next batch that dumps
+            feed.future_done(deferred)  # the feeder may pack the next batch that dumps
             # An infrastructure failure (dead worker, shutdown) brings no
             # outcome back: release the task's files here.
             if done.cancelled() or done.exception() is not None:

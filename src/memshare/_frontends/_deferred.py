@@ -17,21 +17,18 @@ dumps also wait for room among the running ones (``_heavy``).
 The feeder thread has nobody to raise to: loky turns a pickling error into a
 ``PicklingError`` that names neither the argument nor memshare's own errors (no
 room for a dump...). A batch that cannot be packed therefore travels as an
-:class:`~memshare._frontends._feed.Unsent` placeholder, which the worker returns at once,
+:class:`~memshare._frontends._dispatch.Unsent` placeholder, which the worker returns at once,
 and :meth:`DeferredFeed.outcome` turns it back into the original exception
 object in the parent.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
-from .. import _forksafe
 from .._parent._session import Session
 from .._transport._protocol import Task
-from ._feed import Unsent
-from ._heavy import HeavyTasks, bytes_written
+from ._dispatch import Dispatch, Unsent
 
 #: Called after each batch is packed, with the bytes it dumped and the batch (for joblib's batch sizing).
 OnPacked = Callable[[int, Any], None]
@@ -65,16 +62,12 @@ class DeferredTask:
         return batch
 
 
-class DeferredFeed:
+class DeferredFeed(Dispatch):
     """Packs a session's deferred tasks and keeps the errors of those that could not be packed."""
 
     def __init__(self, session: Session, workers: int, on_packed: Optional[OnPacked] = None) -> None:
-        self.session = session
+        super().__init__(session, workers, stopped=lambda: False)
         self._on_packed = on_packed
-        self._lock = _forksafe.lock()
-        self._keys = itertools.count(1)
-        self._failures: Dict[int, BaseException] = {}  # key of an Unsent -> the error it stands for
-        self._heavy = HeavyTasks(workers, stopped=lambda: session.closed)
 
     def defer(self, batch: Any) -> DeferredTask:
         """A task standing for ``batch``, to be packed when it is pickled."""
@@ -88,30 +81,29 @@ class DeferredFeed:
         batch = deferred.take_batch()
         if batch is None:  # abandoned before it was packed (its arguments were let go of), or pickled twice
             reason = "its call ended before it was sent" if deferred._abandoned else "it was pickled twice"
-            return self._failed(RuntimeError(f"memshare: a task was not packed: {reason}"))
+            return self.failed(RuntimeError(f"memshare: a task was not packed: {reason}"))
         session = self.session
-        self._heavy.wait_for_room()
+        written_before = self.wait_for_room()
         dumped_before = session.stats.bytes_dumped  # only this thread packs this session's tasks
-        written_before = bytes_written(session.stats)
         try:
             task = session.pack_task(batch)
         except BaseException as exc:  # this thread has nobody to raise to
-            return self._failed(exc)
+            return self.failed(exc)
         with self._lock:  # against abandon(): a batch abandoned meanwhile must not stay heavy
             deferred.token = task.token
             abandoned = deferred._abandoned
             if not abandoned:
-                self._heavy.packed(task.token, written_before, bytes_written(session.stats))
+                self.packed(task.token, written_before)
         if abandoned:  # its future already failed (a broken executor): nobody will finish it
             session.task_done(task.token)
         if self._on_packed is not None:
             self._on_packed(session.stats.bytes_dumped - dumped_before, batch)
         return task
 
-    def ended(self, deferred: DeferredTask) -> None:
+    def future_done(self, deferred: DeferredTask) -> None:
         """``deferred``'s future is done (its task ended, failed or was cancelled): it is no longer heavy."""
         if deferred.token is not None:
-            self._heavy.ended(deferred.token)
+            self.ended(deferred.token)
 
     def abandon(self, deferred: DeferredTask) -> None:
         """Release what ``deferred`` holds, now or as soon as it is packed: its outcome will never be read.
@@ -127,18 +119,11 @@ class DeferredFeed:
             if token is None:
                 deferred.take_batch()
         if token is not None:
-            self._heavy.ended(token)  # packed between ended() and now, perhaps
+            self.ended(token)  # packed between future_done() and now, perhaps
             self.session.task_done(token)
 
     def outcome(self, value: Any) -> Tuple[bool, Any]:
         """What a worker returned, restored: ``(True, result)`` or ``(False, exception)``."""
         if isinstance(value, Unsent):
-            with self._lock:
-                return False, self._failures.pop(value.key)
+            return False, self.take_failure(value)
         return self.session.finish(value)
-
-    def _failed(self, exc: BaseException) -> Unsent:
-        with self._lock:
-            key = next(self._keys)
-            self._failures[key] = exc
-        return Unsent(key)

@@ -9,9 +9,9 @@ then waits forever for the chunks that were never sent.
 
 So packing errors (an unpicklable argument, no room for a dump, an unusable
 temp folder, the user's iterable raising) are caught here and the task
-travels as an :class:`Unsent` placeholder, which the worker returns at once
-and the result thread turns back into the original exception object (it
-never crosses a process boundary, so it need not be picklable). After a
+travels as an :class:`~memshare._frontends._dispatch.Unsent` placeholder,
+which the worker returns at once and the result thread turns back into the
+original exception object (``_dispatch``). After a
 failure, a ``map`` call sends a placeholder for each remaining chunk, because
 its result waits for every chunk; an ``imap`` call stops there, as the
 standard pool does when the iterable raises.
@@ -36,22 +36,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
-from .. import _forksafe
 from .._parent._session import Session
 from .._payload._main_functions import MainFunctions
 from .._payload._reducers import PLAIN_TYPES, unpack
 from .._transport._protocol import Outcome, ResultSpec, Task
 from .._worker._run import run_task
-from ._heavy import HeavyTasks, bytes_written
-
-
-@dataclass(frozen=True)
-class Unsent:
-    """Stands for a task that could not be packed; the worker sends it straight back."""
-
-    key: int  # identifies the failure in the parent's TaskFeed
+from ._dispatch import Dispatch, Unsent
 
 
 @dataclass(frozen=True)
@@ -141,7 +133,7 @@ class _FillingTasks(Sized):
             yield task
 
 
-class TaskFeed:
+class TaskFeed(Dispatch):
     """Packs a pool's tasks and restores their outcomes, failing calls cleanly."""
 
     def __init__(
@@ -152,18 +144,13 @@ class TaskFeed:
         stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         """``workers``: the pool's size; ``stopped``: True once the pool can run no more tasks (broken)."""
-        self.session = session
-        # Which functions of __main__ the workers have: those go by name (see _main_functions).
-        self._main = main_functions if main_functions is not None else MainFunctions("fork")
         # map and imap tasks that wrote new dumps wait for room in the pool's task thread, as the
         # standard pool's thread waits for a worker to read a large pickled task (see _heavy);
         # apply() packs in the caller's thread, which it does not block.
+        super().__init__(session, workers, stopped=lambda: self._stopping or stopped())
         self._stopping = False
-        self._heavy = HeavyTasks(workers, stopped=lambda: self._stopping or stopped() or session.closed)
-        self._lock = _forksafe.lock()
-        self._keys = itertools.count(1)
-        # key -> [exception, placeholders not back yet]
-        self._failures: Dict[int, list] = {}
+        # Which functions of __main__ the workers have: those go by name (see _main_functions).
+        self._main = main_functions if main_functions is not None else MainFunctions("fork")
 
     def pack_call(self, func: Callable, args: tuple, kwargs: dict) -> Tuple[int, bytes]:
         """One call as a task (``apply``), raising what packing raised."""
@@ -180,10 +167,9 @@ class TaskFeed:
 
     def _pack_in_turn(self, func: Callable, args: tuple) -> Tuple[int, bytes]:
         """Pack a task of the pool's task thread, once there is room for another heavy task (``_heavy``)."""
-        self._heavy.wait_for_room()
-        written_before = bytes_written(self.session.stats)  # only this thread packs map and imap tasks
+        written_before = self.wait_for_room()  # only this thread packs map and imap tasks
         task = self.session.pack_task(func, args)
-        self._heavy.packed(task.token, written_before, bytes_written(self.session.stats))
+        self.packed(task.token, written_before)
         return _wire(task)
 
     def stop(self) -> None:
@@ -194,13 +180,6 @@ class TaskFeed:
         """What a call sends for ``func``: decided once per ``map`` or ``imap`` call, whose tasks are packed at
         moments the caller does not see, so that a change it makes meanwhile reaches no defined set of tasks."""
         return self._main.sent_as(func)
-
-    def failed(self, exc: BaseException, count: int) -> Unsent:
-        """Record ``exc`` for ``count`` placeholders about to be sent; return the placeholder."""
-        with self._lock:
-            key = next(self._keys)
-            self._failures[key] = [exc, count]
-        return Unsent(key)
 
     def fill(self, func: Callable, items: List, star: bool, chunksize: int) -> Sized:
         """The tasks of a ``map`` over ``items``: exactly one per chunk of ``chunksize`` items, whatever fails."""
@@ -265,9 +244,9 @@ class TaskFeed:
 
     def _restore_one(self, value: Union[PoolOutcome, Unsent]) -> tuple:
         if isinstance(value, Unsent):
-            return False, self._take_failure(value.key)
+            return False, self.take_failure(value)
         token, ok, stream, slots = value
-        self._heavy.ended(token)
+        self.ended(token)
         if ok and not slots:
             # No slot: no file to adopt, nothing to count or warn about (what finish does besides).
             self.session.task_done(token)
@@ -276,11 +255,3 @@ class TaskFeed:
             except BaseException as exc:
                 return False, exc
         return self.session.finish(Outcome(token=token, ok=ok, stream=stream, slots=slots))
-
-    def _take_failure(self, key: int) -> BaseException:
-        with self._lock:
-            record = self._failures[key]
-            record[1] -= 1
-            if record[1] <= 0:
-                del self._failures[key]
-        return record[0]
