@@ -73,6 +73,9 @@ class _Registry:
         # in the same thread.
         self.lock = _forksafe.rlock()
         self.fds: Dict[str, int] = {}
+        # path -> (device, inode) of the memfd held there: what the path names for as long as it is held,
+        # known without a stat (``_refs`` uses it to trust a reference to this process's own memfd).
+        self.identities: Dict[str, Tuple[int, int]] = {}
         self.decision: Optional[Decision] = None
         self.raised = False  # the soft descriptor limit was raised (or found unraisable) once
         self.over_budget_logged = False
@@ -86,6 +89,7 @@ class _Registry:
             except OSError:
                 pass
         self.fds = {}
+        self.identities = {}
 
 
 _registry = _Registry()
@@ -248,6 +252,7 @@ def create(kind: str) -> Tuple[str, int]:
     kept = os.memfd_create(f"{NAME_PREFIX}{kind}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
     try:
         os.fchmod(kept, 0o600)
+        info = os.fstat(kept)
         fd = os.dup(kept)
     except BaseException:
         os.close(kept)
@@ -255,6 +260,7 @@ def create(kind: str) -> Tuple[str, int]:
     path = f"/proc/{os.getpid()}/fd/{kept}"
     with _registry.lock:
         _registry.fds[path] = kept
+        _registry.identities[path] = (info.st_dev, info.st_ino)
     return path, fd
 
 
@@ -268,6 +274,7 @@ def release(path: str) -> bool:
         return False
     with _registry.lock:
         fd = _registry.fds.pop(path, None)
+        _registry.identities.pop(path, None)
     if fd is not None:
         os.close(fd)
     return True
@@ -283,6 +290,16 @@ def duplicate(path: str) -> int:
         if fd is None:
             raise FileNotFoundError(f"memshare: this process holds no memfd at {path!r}")
         return os.dup(fd)
+
+
+def held_identity(path: str) -> Optional[Tuple[int, int]]:
+    """(device, inode) of the memfd this process holds at ``path``; None when it holds none there.
+
+    No system call: while this process holds the memfd, its ``/proc`` path
+    names that file and no other (the descriptor is closed only by
+    :func:`release`, or in a forked child, which starts with none).
+    """
+    return _registry.identities.get(path)  # one dict lookup: atomic, no lock needed
 
 
 def held_paths() -> List[str]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import _forksafe
 from .._transport._mapping import array_from_ref, forget_mapping
-from .._transport._refs import SHARED, ArrayRef, find_backing, is_file
+from .._transport._refs import SHARED, ArrayRef, find_backing, is_file, mapped_file
 from .._transport._shared_store import new_shared_array
 
 T = TypeVar("T")
@@ -305,12 +305,14 @@ class _Received:
             # every later task naming it goes, with the mapping it came over not cached.
             forget_mapping(entry[1], *entry[2])
             return entry[0]
-        backing = find_backing(data)
+        # The file memshare mapped the data from (no system call), else whatever file backs it.
+        backing = mapped_file(data) or find_backing(data)
         if backing is None:
             # By value (another pickler): nothing to key a copy's lifetime by, so none is kept.
             return Broadcast(_load(data), data, token)
         # The copy holds its data's mapping for as long as it is kept: the cache need
-        # not, nor check its file before each task.
+        # not, nor check its file before each task. Later receipts are views of that
+        # mapping (the cache finds it while it lives), not new mappings.
         forget_mapping(backing.path, backing.device, backing.inode)
         log_key = tuple(drops[1:3]) if drops is not None else None
         with self._lock:

@@ -58,6 +58,7 @@ from .._compat import pandas_array_state
 from .._transport._mapping import array_from_ref
 from .._transport._protocol import ResultSpec, Slot
 from .._transport._refs import ArrayRef
+from ._broadcast import Broadcast
 from ._main_functions import MainFunction
 from ._polars import classes as polars_classes
 from ._polars import reduction as polars_reduction
@@ -123,6 +124,8 @@ class _Pickler(cloudpickle.Pickler):
                 # a memmap without a file on the other side.
                 return _plain_reduction(obj)
             return NotImplemented
+        if type(obj) is ArrayRef or type(obj) is Broadcast:  # before the lookups below, which would all miss
+            return obj.__reduce__()
         if type(obj) is types.CodeType:
             return _code_reduction(obj)
         if self._arrow_owners and isinstance(obj, self._arrow_owners):

@@ -26,7 +26,6 @@ from .._transport._refs import (
     data_address,
     find_backing,
     is_copy_on_write,
-    is_raw_mapping,
     maps_privately,
     root_array,
 )
@@ -134,7 +133,8 @@ def input_route(
         # worker maps the file copy-on-write (read-only if the view is).
         if copy_on_write_unwritten(array):
             ref = find_backing(array, copy_on_write=True)
-    if ref is not None and is_raw_mapping(array):
+    if ref is not None and ref.memmap_mode is None:
+        # A raw mapping (no np.memmap in the chain: find_backing sets memmap_mode exactly when there is one).
         ref = _in_call_mode(ref, worker_mode)
     if ref is not None:
         if ref.kind == DUMP and ref.path in own_dumps:

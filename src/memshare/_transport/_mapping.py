@@ -37,6 +37,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Tuple
 
@@ -45,7 +46,7 @@ import numpy as np
 from .. import _forksafe
 from .._compat import set_memmap_owner
 from .._lifetime import _memfd
-from ._refs import USER, ArrayRef, is_file, kind_of_path
+from ._refs import USER, ArrayRef, MappedFile, is_file, kind_of_path, note_mapped_file
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 #: The pruner sleeps at least this many times what its last check took: stat-ing thousands of
@@ -247,6 +248,12 @@ def map_file(ref: ArrayRef) -> np.memmap:
     base.offset = 0
     base.mode = ref.mode
     set_memmap_owner(base, owner)
+    if ref.kind != USER or not memfd:
+        # What was opened and checked above: find_backing names it with no stat or readlink. (A
+        # user's memfd is left out: its kind would take a readlink of the path, which may name
+        # another file by now.)
+        kind = ref.kind if ref.kind != USER else kind_of_path(ref.path)
+        note_mapped_file(base, MappedFile(ref.path, info.st_dev, info.st_ino, kind))
     return base
 
 
@@ -279,6 +286,12 @@ class MappingCache:
     def __init__(self, limit: Optional[int] = None) -> None:
         self._lock = _forksafe.lock()
         self._bases: OrderedDict[_Key, np.memmap] = OrderedDict()
+        # Every mapping this cache made that something still holds (an array over it, a broadcast's
+        # copy), weakly: a reference to the same file and mode is a view of it, not a new mapping,
+        # though the file may have left the LRU list above (or been forgotten there: a broadcast's).
+        # Holding nothing, it pins no deleted file and needs no pruning: the (device, inode) of a
+        # live mapping belong to its file alone, deleted or not.
+        self._alive: weakref.WeakValueDictionary[_Key, np.memmap] = weakref.WeakValueDictionary()
         self._limit = CACHE_LIMIT if limit is None else limit
         self._pruner_started = False
         self._not_empty = threading.Event()
@@ -295,11 +308,18 @@ class MappingCache:
             base = self._bases.get(key)
             if base is not None:
                 self._bases.move_to_end(key)
+            else:
+                base = self._alive.get(key)
+                if base is not None and len(base) >= _end_of(ref):
+                    # Held elsewhere (a broadcast's copy): a view, and not cached again, which its
+                    # holder did not want (see forget).
+                    return view_of(base, ref)
         if base is None or len(base) < _end_of(ref):
             # New, or a user file that grew since it was mapped (same inode).
             base = map_file(ref)
             with self._lock:
                 self._bases[key] = base
+                self._alive[key] = base
                 self._bases.move_to_end(key)
                 while len(self._bases) > self._limit:
                     # Forgotten, not unmapped: an array still alive over it keeps it.
@@ -326,7 +346,7 @@ class MappingCache:
         with self._lock:
             for mode in ("r", "r+"):
                 self._bases.pop((path, device, inode, mode), None)
-            if not self._bases:
+            if not self._bases and self._not_empty.is_set():
                 self._not_empty.clear()
 
     def _start_pruner(self) -> None:

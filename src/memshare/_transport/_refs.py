@@ -22,6 +22,7 @@ import numpy as np
 
 from .._lifetime import _memfd
 from .._lifetime._owners import parse_folder_name
+from ._identity import IdentityTable
 
 #: What the file behind a reference is, which decides its lifetime and how
 #: results that view it come back (see ``_result_policy`` and ``_adopt``).
@@ -68,6 +69,23 @@ class ArrayRef:
     def is_file(self, info: os.stat_result) -> bool:
         """True when ``info`` (a stat result) is this reference's file, not another one now at its path."""
         return file_identity(info) == (self.device, self.inode)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        # The fields in order: smaller and quicker than the default's dict of state, for a
+        # reference every task that names a shared array or a broadcast carries.
+        return ArrayRef, (
+            self.path,
+            self.device,
+            self.inode,
+            self.kind,
+            self.mode,
+            self.offset,
+            self.shape,
+            self.strides,
+            self.dtype,
+            self.memmap_offset,
+            self.memmap_mode,
+        )
 
 
 def file_identity(info: os.stat_result) -> Tuple[int, int]:
@@ -177,6 +195,66 @@ def kind_of_path(path: str) -> str:
     return prefix if prefix in _KINDS else USER
 
 
+@dataclass(frozen=True)
+class MappedFile:
+    """The file a mapping that memshare made maps: known when it was made, from its open descriptor."""
+
+    path: str
+    device: int
+    inode: int
+    kind: str
+
+
+# Per process: mappings are. The records stay valid in a forked child (its inherited mappings
+# map the same files); what a path names now is checked on each use (_names_file), never assumed.
+_mapped_files: IdentityTable[MappedFile] = IdentityTable()
+# The references find_backing made to such files, per array object, with the geometry they were
+# made for (a broadcast's data is sent by every task that names it, call after call). Valid as long
+# as the array lives: its data address and chain of bases never change, and its shape, strides,
+# dtype and writeable flag, which can, are compared. Per process, as the records above.
+_found: IdentityTable[Tuple[ArrayRef, MappedFile, Tuple[int, ...], Tuple[int, ...], np.dtype, bool]] = IdentityTable()
+
+
+def note_mapped_file(mapping: np.memmap, file: MappedFile) -> None:
+    """Remember that ``mapping``, a memmap over a whole mapping made from an open descriptor, maps ``file``.
+
+    Lets :func:`find_backing` name the file of any view of ``mapping``
+    without a ``stat`` or a ``readlink``: the record lives exactly as long as
+    ``mapping`` (an identity table: the entry goes when it is collected).
+    """
+    _mapped_files.add(mapping, file)
+
+
+def mapped_file(array: np.ndarray) -> Optional[MappedFile]:
+    """The file that the mapping under ``array`` maps, when memshare made that mapping; else None.
+
+    The file the memory is, whether or not its path still names it: a
+    worker keys a broadcast's copy by it. :func:`find_backing` also checks the path.
+    """
+    top = _outermost_memmap(array)
+    return None if top is None else _record_of(top)
+
+
+def _record_of(top: np.memmap) -> Optional[MappedFile]:
+    """The record of ``top``, the outermost memmap of a chain, unless its ``filename`` is no longer the record's."""
+    known = _mapped_files.get(top)
+    return known if known is not None and known.path == top.filename else None
+
+
+def _names_file(known: MappedFile) -> bool:
+    """True when ``known.path`` names ``known``'s file now: the reference is not stale.
+
+    No system call for a memfd this process holds: its path names it until
+    this process closes it (``_memfd.held_identity``). Otherwise one
+    ``stat``: a deleted file, a memfd path whose number another file took,
+    a user's file replaced under its mapping all fail it.
+    """
+    identity = (known.device, known.inode)
+    if _memfd.held_identity(known.path) == identity:
+        return True
+    return is_file(known.path, identity)
+
+
 def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[ArrayRef]:
     """A reference to the file that ``array``'s memory maps, if there is one.
 
@@ -192,16 +270,38 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
     ``/proc/self/maps``). Returns None for ordinary memory. The mode of a
     raw mapping's reference is its own ('r+', 'r' or 'c'): the caller gives
     it the call's (``_routes.input_route``).
+
+    A mapping memshare made (``_mapping.map_file``: shared arrays,
+    broadcasts, a worker's inputs) has its file on record
+    (:func:`note_mapped_file`): its identity and kind need no ``stat`` nor
+    ``readlink``, and none at all when it is a memfd this process holds
+    (a shared array's, a broadcast's). Only whether the path still names that
+    file is checked (:func:`_names_file`); when it does not, the array has no
+    backing: its memory is not what the path now holds.
     """
+    found = _found.get(array)
+    if found is not None:
+        ref, known, shape, strides, dtype, writeable = found
+        if (
+            array.shape == shape
+            and array.strides == strides
+            and array.dtype is dtype
+            and array.flags.writeable == writeable
+        ):
+            return ref if _names_file(known) else None
     root = root_array(array)
     if not _maps_file(_owner(root)):
         return None
-    memmap_offset = memmap_mode = None
+    memmap_offset = memmap_mode = known = None
     top = _outermost_memmap(array)
     if top is not None:
         # The file offset of top's first byte, moved to root's: offsets below count from root.
         path, root_offset = top.filename, int(top.offset) - (data_address(top) - data_address(root))
-        if not _still_maps(root, path):
+        known = _record_of(top)
+        if known is not None:
+            if not _names_file(known):
+                return None
+        elif not _still_maps(root, path):
             return None
         mode = _mapping_mode(top.mode)
         nearest = _nearest_memmap(array)
@@ -219,17 +319,24 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
         # A copy-on-write mapping's private pages differ from the file: the
         # file is not the array's content, so it must travel by value.
         return None
+    # A copy-on-write mapping's reference is not remembered: whether it has one depends on the caller's check.
+    remember = known is not None and mode != "c"
     if not array.flags.writeable:
         mode = "r"
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
+    if known is not None:
+        device, inode, kind = known.device, known.inode, known.kind
+    else:
+        try:
+            device, inode = file_identity(os.stat(path))
+        except OSError:
+            return None
+        kind = kind_of_path(path)
     offset = root_offset + data_address(array) - data_address(root)
-    return ArrayRef.in_file(
-        path,
-        info,
-        kind=kind_of_path(path),
+    ref = ArrayRef(
+        path=path,
+        device=device,
+        inode=inode,
+        kind=kind,
         mode=mode,
         offset=offset,
         shape=tuple(array.shape),
@@ -238,6 +345,9 @@ def find_backing(array: np.ndarray, copy_on_write: bool = False) -> Optional[Arr
         memmap_offset=memmap_offset,
         memmap_mode=memmap_mode,
     )
+    if remember:
+        _found.add(array, (ref, known, ref.shape, ref.strides, ref.dtype, bool(array.flags.writeable)))
+    return ref
 
 
 def _still_maps(root: np.ndarray, path: Optional[str]) -> bool:
