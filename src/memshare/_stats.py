@@ -67,6 +67,10 @@ class CallStats:
     bytes_buffers_pickled: int = 0
     objects_dumped: int = 0  # argument objects pickled once per call into shared memory (large dicts, models...)
     bytes_objects_dumped: int = 0
+    # Shared memory memshare holds for this process right after the call, each file once: results
+    # adopted and not freed (touched or not), dumps still alive, arrays held once, shared arrays,
+    # kept buffers. Tools that sum RSS or PSS miss what no process touched; a cgroup counts all of it.
+    bytes_in_shared_memory: int = 0
     _lock: threading.Lock = field(default_factory=_forksafe.lock, repr=False, compare=False)
 
     def as_dict(self) -> Dict[str, float]:
@@ -91,7 +95,8 @@ class CallStats:
             f"{self.objects_dumped} argument objects pickled once ({_mib(self.bytes_objects_dumped)}); "
             f"{self.results_by_reference} results returned by reference "
             f"({_mib(self.bytes_results_by_reference)}), "
-            f"{self.results_of_inputs} as memory the parent had ({_mib(self.bytes_results_of_inputs)})"
+            f"{self.results_of_inputs} as memory the parent had ({_mib(self.bytes_results_of_inputs)}); "
+            f"{_mib(self.bytes_in_shared_memory)} held in shared memory after the call"
         )
 
 
@@ -199,7 +204,11 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     buffers small enough to stay in the task payloads), ``objects_dumped``
     and ``bytes_objects_dumped`` (argument objects, such as a large dict,
     pickled once per call into shared memory instead of into every task's
-    payload). None before the first call ends.
+    payload), ``bytes_in_shared_memory`` (the shared memory memshare holds
+    for this process right after the call, each file once: results not
+    freed yet, whether touched or not, dumps and kept buffers still alive,
+    arrays held once, shared arrays; see README's "Memory that tools
+    see"). None before the first call ends.
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()

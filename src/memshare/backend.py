@@ -45,6 +45,7 @@ from ._errors import WorkerDiedError, describe_exit
 from ._frontends._deferred import DeferredFeed
 from ._frontends._executor import discard_executor, get_executor
 from ._frontends._feed import run_or_return
+from ._lifetime._holdings import held_bytes
 from ._parent._session import Session
 from ._stats import CallStats, enable_logging, record_finished
 
@@ -143,7 +144,7 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs == 1:
             # Nothing crosses a process boundary: the call shares nothing, and
             # last_call_stats() must say so rather than show an older call.
-            record_finished(CallStats())
+            record_finished(CallStats(bytes_in_shared_memory=held_bytes()))
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         if verbose:
             enable_logging()

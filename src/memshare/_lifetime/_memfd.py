@@ -302,6 +302,19 @@ def held_identity(path: str) -> Optional[Tuple[int, int]]:
     return _registry.identities.get(path)  # one dict lookup: atomic, no lock needed
 
 
+def held_files() -> List[os.stat_result]:
+    """What the memfds this process holds are now (size, blocks, identity): one ``fstat`` each."""
+    with _registry.lock:
+        fds = list(_registry.fds.values())
+    found = []
+    for fd in fds:
+        try:
+            found.append(os.fstat(fd))
+        except OSError:
+            continue  # released meanwhile
+    return found
+
+
 def held_paths() -> List[str]:
     """The paths of the memfds this process holds."""
     with _registry.lock:
@@ -335,6 +348,8 @@ class LiveMemfd:
     pid: int
     kind: str
     nbytes: int
+    device: int = 0
+    inode: int = 0
 
 
 def live_memfds() -> List[LiveMemfd]:
@@ -362,7 +377,7 @@ def live_memfds() -> List[LiveMemfd]:
             if info.st_uid != os.geteuid() or (info.st_dev, info.st_ino) in seen:
                 continue
             seen.add((info.st_dev, info.st_ino))
-            found.append(LiveMemfd(pid, kind, info.st_blocks * 512))
+            found.append(LiveMemfd(pid, kind, info.st_blocks * 512, info.st_dev, info.st_ino))
     return found
 
 

@@ -65,6 +65,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_state.after_fork_in_child)
 
 
+def live_folders() -> List[str]:
+    """This process's folders (primaries and disk twins) not removed yet, made or still to be made."""
+    with _state.lock:
+        return sorted(_state.live_paths)
+
+
 def _remove_paths(paths: List[str]) -> None:
     for path in paths:
         if _is_own_dir(path):

@@ -20,6 +20,7 @@ import numpy as np
 from .._errors import RemoteTraceback
 from .._lifetime import _memfd
 from .._lifetime._folders import FolderPair
+from .._lifetime._holdings import note_mapping
 from .._payload._reducers import unpack
 from .._transport._handoff import Inbox
 from .._transport._mapping import array_from_ref, map_descriptor
@@ -124,9 +125,11 @@ def map_given(ref: ArrayRef, open_given: Optional[OpenGiven]) -> np.ndarray:
         raise PermissionError(f"memshare: refusing to map {ref.path!r}: a result names a file it may not")
     fd = open_given(ref)
     try:
-        raw = map_descriptor(fd, os.fstat(fd).st_size, "c")
+        info = os.fstat(fd)
+        raw = map_descriptor(fd, info.st_size, "c")
     finally:
         os.close(fd)
+    _note(raw, info, ref.path)  # it keeps the file alive once the dump or held file is let go of
     return _view(raw, ref)
 
 
@@ -168,11 +171,19 @@ def adopt_mapping(ref: ArrayRef, receive: Optional[Receive] = None, folder: Opti
         if fd is None:
             raise FileNotFoundError(f"memshare: the memory of a {ref.nbytes}-byte result never arrived from its worker")
         try:
-            raw = map_descriptor(fd, os.fstat(fd).st_size, "r+")  # shared, read-write: the worker closed its own
+            info = os.fstat(fd)
+            raw = map_descriptor(fd, info.st_size, "r+")  # shared, read-write: the worker closed its own
         finally:
             os.close(fd)
+        _note(raw, info, ref.path)
         return raw
     return _take_result_file(ref, folder)
+
+
+def _note(raw: np.ndarray, info: os.stat_result, path: str) -> None:
+    """Count the file ``raw`` maps among what this process holds (``last_call_stats``) while it is mapped."""
+    if raw.base is not None:  # an empty file maps nothing
+        note_mapping(raw.base, info, path)
 
 
 def _view(raw: np.ndarray, ref: ArrayRef) -> np.ndarray:
@@ -207,6 +218,7 @@ def _take_result_file(ref: ArrayRef, folder: Optional[FolderPair]) -> np.ndarray
             raw = map_descriptor(fd, info.st_size, "r+")
         finally:
             os.close(fd)
+        _note(raw, info, ref.path)
         # The mapping keeps the memory: the name can go now. Only this file's
         # name, should another file have taken it meanwhile.
         try:

@@ -25,6 +25,7 @@ from .._config import Settings
 from .._errors import UnpicklableArgumentError
 from .._lifetime import _memfd
 from .._lifetime._folder_warnings import warn_fallback, warn_result_pickled
+from .._lifetime._holdings import held_bytes
 from .._lifetime._temp_folder import TempFolder
 from .._payload._reducers import Reducers, Reduction, input_reduction, own_input_reduction, pack, plain_call
 from .._payload._routes import (
@@ -422,6 +423,8 @@ class Session:
         if self._inbox is not None:
             self._inbox.close()  # descriptors of outcomes never restored go with it
         self.folder.remove()
+        # Measured after the folder went: what outlives the call (set, not added: a session closes once).
+        self.stats.bytes_in_shared_memory = held_bytes()
         record_finished(self.stats)
 
 

@@ -45,7 +45,7 @@ from .._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from .._lifetime import _memfd, _watchdog
+from .._lifetime import _holdings, _memfd, _watchdog
 from .._lifetime._location import (
     SHM_ROOT,
     Location,
@@ -197,16 +197,96 @@ def _check_shm(
         )
 
 
-def _check_memfds(say: Callable[[str], None]) -> None:
+def _check_memfds(say: Callable[[str], None], memfds: List[_memfd.LiveMemfd]) -> None:
     """List the memshare memfds that processes of this user hold, by owner."""
     by_owner: dict = {}
-    for memfd in _memfd.live_memfds():
+    for memfd in memfds:
         by_owner.setdefault(memfd.pid, []).append(memfd)
     if not by_owner:
         say("  none held by any process of this user")
     for pid, held in sorted(by_owner.items()):
         kinds = ", ".join(f"{sum(m.kind == k for m in held)} {k}" for k in sorted({m.kind for m in held}))
         say(f"  pid {pid}: {len(held)} memfd(s) ({kinds}), {format_bytes(sum(m.nbytes for m in held))}")
+
+
+#: What a process holds, by where: file identity -> bytes.
+_Holding = Dict[str, Dict[Tuple[int, int], int]]
+_WHERE = ("folders", "memfds", "mapped")
+
+
+def _report_holdings(shm: str, say: Callable[[str], None], memfds: List[_memfd.LiveMemfd]) -> None:
+    """One line on the shared memory memshare holds for this user's live processes, then one per process.
+
+    This process's figures come from its own records (``_holdings.held``,
+    as ``last_call_stats`` reports them); another's from what shows of it:
+    the files in its folders in ``shm``, the memfds it holds open, and the
+    deleted memshare files it maps that no process holds (results it
+    adopted). Each file counts once, for the process that keeps it.
+    """
+    me = os.getpid()
+    own = _holdings.held()
+    others: Dict[int, _Holding] = {}
+
+    def holding(pid: int) -> _Holding:
+        return others.setdefault(pid, {where: {} for where in _WHERE})
+
+    for found in find_folders({shm}):
+        if found.status == OWNER_ALIVE and found.owner.pid != me:
+            for info in _holdings.folder_files(found.path):
+                holding(found.owner.pid)["folders"][(info.st_dev, info.st_ino)] = info.st_blocks * 512
+    held_open = {(memfd.device, memfd.inode) for memfd in memfds}
+    for memfd in memfds:
+        if memfd.pid != me:
+            holding(memfd.pid)["memfds"][(memfd.device, memfd.inode)] = memfd.nbytes
+    for pid in _user_pids():
+        if pid == me:
+            continue
+        mapped = {key: n for key, n in _holdings.mapped_by(pid).items() if key not in held_open}
+        if mapped:
+            holding(pid)["mapped"].update(mapped)
+    counted: set = set()
+    totals: Dict[int, Tuple[int, int, int]] = {}
+    for pid, by_where in sorted(others.items()):
+        sums = []
+        for where in _WHERE:
+            fresh = {key: n for key, n in by_where[where].items() if key not in counted}
+            counted.update(fresh)
+            sums.append(sum(fresh.values()))
+        if any(sums):
+            totals[pid] = (sums[0], sums[1], sums[2])
+    everything = own.total + sum(sum(figures) for figures in totals.values())
+    processes = len(totals) + (1 if own.total else 0)
+    say(
+        f"  memshare holds {format_bytes(everything)} of shared memory for {processes} live process(es) of this "
+        f"user (this process: {format_bytes(own.total)}). A container's memory limit counts all of it (cgroup "
+        "shmem); a process's RSS and PSS count it only once that process reads or writes it."
+    )
+    rows = [(me, (own.folders, own.memfds, own.mapped), " (this process)")] if own.total else []
+    rows += [(pid, figures, "") for pid, figures in totals.items()]
+    for pid, (folders, in_memfds, mapped), which in rows:
+        say(
+            f"  pid {pid} {_command(pid)}{which}: {format_bytes(folders + in_memfds + mapped)}: "
+            f"{format_bytes(folders)} in folders in {shm}, "
+            f"{format_bytes(in_memfds)} in memfds it holds open, {format_bytes(mapped)} in deleted files only "
+            "its mappings keep (results it received)"
+        )
+
+
+def _user_pids() -> List[int]:
+    """The processes of this user (all of /proc that can be read; the rest are skipped by the readers)."""
+    try:
+        return sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+    except OSError:
+        return []
+
+
+def _command(pid: int) -> str:
+    """The command name of ``pid`` in parentheses, or "(gone)" when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
+            return f"({comm.read().strip()})"
+    except OSError:
+        return "(gone)"
 
 
 def _check_folders(shm: str, say: Callable[[str], None], verdict: Verdict) -> None:
@@ -398,8 +478,11 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
 
     say("memshare folders")
     _check_folders(shm, say, verdict)
+    memfds = _memfd.live_memfds()
     say("memshare memfds")
-    _check_memfds(say)
+    _check_memfds(say, memfds)
+    say("Shared memory memshare holds")
+    _report_holdings(shm, say, memfds)
     say("Descriptors and loky's named semaphores")  # the descriptor budget, and what dead runs left
     for line in _memfd.descriptor_report() + _watchdog.semaphore_report():
         say(f"  {line}")

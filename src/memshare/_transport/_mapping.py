@@ -114,7 +114,8 @@ class _Mapping:
     then may read.
     """
 
-    __slots__ = ("address", "length", "__array_interface__", "_munmap")
+    # Weakly referable: the parent counts what an adopted result keeps alive until it is unmapped.
+    __slots__ = ("address", "length", "__array_interface__", "_munmap", "__weakref__")
 
     #: Tells ``_refs.find_backing`` that arrays over this object map a file (as over an ``mmap.mmap``).
     maps_file = True
