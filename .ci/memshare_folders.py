@@ -14,9 +14,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _owners():
+def load_owners():
     spec = importlib.util.spec_from_file_location(
-        "_memshare_owners", os.path.join(ROOT, "src", "memshare", "_owners.py")
+        "_memshare_owners", os.path.join(ROOT, "src", "memshare", "_lifetime", "_owners.py")
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
@@ -25,7 +25,7 @@ def _owners():
 
 
 def main() -> None:
-    parse_folder_name = _owners().parse_folder_name
+    parse_folder_name = load_owners().parse_folder_name
     for base in ("/dev/shm", tempfile.gettempdir()):
         try:
             names = sorted(os.listdir(base))
