@@ -273,11 +273,19 @@ def _report_holdings(shm: str, say: Callable[[str], None], memfds: List[_memfd.L
 
 
 def _user_pids() -> List[int]:
-    """The processes of this user (all of /proc that can be read; the rest are skipped by the readers)."""
+    """The processes of this user, as ``/proc`` lists them (none where it cannot be read)."""
     try:
-        return sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return []
+    pids = []
+    for entry in entries:
+        try:
+            if os.stat(f"/proc/{entry}").st_uid == os.geteuid():
+                pids.append(int(entry))
+        except OSError:
+            continue  # gone meanwhile
+    return sorted(pids)
 
 
 def _command(pid: int) -> str:
