@@ -98,21 +98,24 @@ def test_a_file_held_and_mapped_counts_once():
 HOLDER = """
     import sys
     import numpy as np
+    import memshare
     from memshare import Parallel, delayed
     if __name__ == "__main__":
         results = Parallel(n_jobs=2)(delayed(np.ones)({elements}) for _ in range({count}))
+        shared = memshare.arrays.full({elements}, 1.0)
         print("ready", flush=True)
-        sys.stdin.read()  # holds its results, untouched, until the test closes stdin
+        sys.stdin.read()  # holds its results, untouched, and its shared array until the test closes stdin
 """
 
 
-def test_doctor_says_what_this_and_another_live_process_hold():
+@pytest.mark.parametrize("memfds", ["1", "0"], ids=["memfd", "named"])
+def test_doctor_says_what_this_and_another_live_process_hold(memfds):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLDER.format(elements=ELEMENTS, count=COUNT))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=without_location_settings(),
+        env={**without_location_settings(), "MEMSHARE_MEMFD": memfds},
     )
     try:
         assert holder.stdout.readline().strip() == "ready"
@@ -133,6 +136,9 @@ def test_doctor_says_what_this_and_another_live_process_hold():
     assert len(mine) == 1
     theirs = [line for line in section if line.startswith(f"  pid {holder.pid} ")]
     assert len(theirs) == 1
-    # Its results are in no folder and no descriptor: only its mappings keep them.
-    expected = _doctor.format_bytes(COUNT * ELEMENTS * 8)
-    assert f"{expected} in deleted files only its mappings keep" in theirs[0]
+    # Its results are in no folder and no descriptor: only its mappings keep them. Its shared array is
+    # a memfd it holds open, or a file in its folder in /dev/shm.
+    results, shared = _doctor.format_bytes(COUNT * ELEMENTS * 8), _doctor.format_bytes(ELEMENTS * 8)
+    assert f"{results} in deleted files only its mappings keep" in theirs[0]
+    where = "in memfds it holds open" if memfds == "1" else f"in folders in {_doctor.SHM_ROOT}"
+    assert f"{shared} {where}" in theirs[0]
