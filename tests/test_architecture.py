@@ -637,3 +637,36 @@ def test_the_layer_check_finds_an_import_going_up(tmp_path, monkeypatch):
         "memshare._lifetime._low imports memshare._parent._session",
         "memshare._parent._session imports memshare._worker._run",
     ]
+
+
+def names_in_architecture_md_that_do_not_exist(text: str) -> List[str]:
+    """Each dotted name in ``text`` that starts with a memshare module (``_session.Session.pack_task``) and
+    does not resolve: the module imported, then each attribute in turn."""
+    modules: Dict[str, str] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] != "__init__":
+            modules.setdefault(parts[-1], ".".join(parts))
+    missing = []
+    for name in sorted(set(re.findall(r"(?<![\w./])(_[a-z]\w*(?:\.[A-Za-z_]\w*)+)", text))):
+        first, *rest = name.split(".")
+        if first not in modules:
+            continue
+        found: object = importlib.import_module(modules[first])
+        for part in rest:
+            if not hasattr(found, part):
+                missing.append(name)
+                break
+            found = getattr(found, part)
+    return missing
+
+
+def test_every_name_architecture_md_gives_exists():
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert len(re.findall(r"(?<![\w./])_[a-z]\w*\.[A-Za-z_]\w*", text)) > 40  # the check reads something
+    missing = names_in_architecture_md_that_do_not_exist(text)
+    assert not missing, f"ARCHITECTURE.md names what the code does not have: {missing}"
+    assert names_in_architecture_md_that_do_not_exist("see `_session.Session.pack_tasks` and _refs.nowhere") == [
+        "_refs.nowhere",
+        "_session.Session.pack_tasks",
+    ]
