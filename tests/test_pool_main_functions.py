@@ -259,11 +259,12 @@ POOL_SCRIPT = textwrap.dedent(
                 values = [pool.apply(func, (i,)) for i in range(3)] + list(pool.imap(func, range(3)))
                 after = pool._session.stats.as_dict()
                 per_task = (after["bytes_pickled"] - before["bytes_pickled"]) / (after["tasks"] - before["tasks"])
-                print(name, values, "by name" if per_task < 150 else "by value")
+                # Flushed at once: a worker forked later (maxtasksperchild) would flush a copy of the buffer.
+                print(name, values, "by name" if per_task < 150 else "by value", flush=True)
             try:
                 pool.apply(fails, (7,))
             except ValueError as exc:
-                print("error", exc)
+                print("error", exc, flush=True)
     """
 )
 
