@@ -77,6 +77,7 @@ class WorkerWatch:
         self.stop()
         thread = self._thread
         if thread is None:
+            self._forget_workers()
             self._close_wake_pipe()
         elif thread is not threading.current_thread():
             # No memshare thread outlives the pool: a later fork (another pool
@@ -97,6 +98,7 @@ class WorkerWatch:
                 ended = self._check_exits(ended, workers, pending)
         finally:
             self._watched = ()
+            self._forget_workers()
             self._close_wake_pipe()
 
     def _wait_for_a_change(self, ended: set) -> set:
@@ -163,6 +165,14 @@ class WorkerWatch:
             f"memshare: worker process {pid} {describe_exit(code)}. Its pool cannot run "
             f"tasks any more: terminate it and create a new one.{hint}"
         )
+
+    def _forget_workers(self) -> None:
+        # Once nothing watches them, the pool alone keeps its workers' process objects: each holds the
+        # descriptors of its sentinel until it is released, which happens with the pool (by reference
+        # counting, as the standard pool's) only if the watch, which may outlive it in a reference
+        # cycle of the pool's parts, keeps none.
+        with self._lock:
+            self._started.clear()
 
     def _wake(self) -> None:
         with self._lock:
