@@ -7,6 +7,8 @@ backend ``"memshare"`` (registered on import), :func:`Parallel` /
 every task reads, and :func:`last_call_stats`.
 """
 
+from typing import Any
+
 from ._errors import (
     RemoteTraceback,
     SharedArrayCopiedWarning,
@@ -14,16 +16,40 @@ from ._errors import (
     SharedMemoryFullError,
     UnpicklableArgumentError,
     UnpicklableResultError,
-    WorkerDiedError,
 )
 from ._payload._broadcast import Broadcast, broadcast
+from ._registration import register_when_joblib_is_imported
 from ._stats import last_call_stats
 from .arrays import empty, full, is_shared, share, zeros
-from .backend import MemshareBackend, register_backend
-from .parallel import Parallel, delayed
 from .pool import MemmapingPool, MemmappingPool
 
-register_backend()
+# What needs joblib is imported on first use: a MemmappingPool and its workers need none of it, and joblib
+# with loky costs them more than the rest of memshare. The backend is registered all the same (_registration).
+_LAZY = {
+    "MemshareBackend": "backend",
+    "register_backend": "backend",
+    "Parallel": "parallel",
+    "delayed": "parallel",
+    "WorkerDiedError": "_errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+register_when_joblib_is_imported()
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,8 @@ threading: memshare extends them at a few points where they offer no public
 hook. Each such use goes through a function of this module, with a line
 saying why, so that a release that renames something breaks in one known
 place instead of deep inside a call. :data:`CHECKS` lists every name; each is
-looked up once, at import, and :func:`failed_checks` reports the missing
+looked up once, on first use of ``CHECKS`` (joblib and loky are imported only
+by the functions that need them), and :func:`failed_checks` reports the missing
 ones. ``python -m memshare doctor`` prints them with the fix. pandas' one name
 is checked by ``tests/test_compat.py`` only: pandas is optional, and memshare
 does not import it. The functions below degrade to doing nothing where their
@@ -29,19 +30,38 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-import joblib
-import joblib.parallel as _joblib_parallel
 import numpy as np
-from joblib.externals.loky import process_executor as _loky_process_executor
-from joblib.externals.loky.backend import resource_tracker as _loky_resource_tracker
 
 try:  # numpy >= 2
     from numpy._core import multiarray as _np_multiarray
 except ImportError:  # numpy 1.x
     from numpy.core import multiarray as _np_multiarray
+
+
+# joblib and loky are imported on first use, not with this module: a MemmappingPool needs neither, and its
+# workers would otherwise import them, which costs more than the rest of memshare.
+
+
+def _joblib_parallel() -> ModuleType:
+    import joblib.parallel
+
+    return joblib.parallel
+
+
+def _loky_process_executor() -> ModuleType:
+    from joblib.externals.loky import process_executor
+
+    return process_executor
+
+
+def _loky_resource_tracker() -> ModuleType:
+    from joblib.externals.loky.backend import resource_tracker
+
+    return resource_tracker
+
 
 #: numpy before 1.22 has one allocator, malloc; later releases let a library plug its own.
 _NUMPY_PLUGGABLE_ALLOCATOR = tuple(int(part) for part in np.__version__.split(".")[:2]) >= (1, 22)
@@ -86,45 +106,47 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
     (
         "joblib.Parallel._ready_batches",
         "a new call empties the batches a failed call fetched ahead, or a managed context would run them",
-        lambda: _uses_attribute(joblib.Parallel, "_ready_batches"),
+        lambda: _uses_attribute(_joblib_parallel().Parallel, "_ready_batches"),
     ),
     (
         "joblib.Parallel._original_iterator / _iterating",
         "the progress bar learns a generator's total when joblib has taken its last task",
-        lambda: all(_uses_attribute(joblib.Parallel, name) for name in ("_original_iterator", "_iterating")),
+        lambda: all(
+            _uses_attribute(_joblib_parallel().Parallel, name) for name in ("_original_iterator", "_iterating")
+        ),
     ),
     (
         "joblib.parallel._backend (the thread's parallel_config)",
         "doctor reports the options of an enclosing joblib.parallel_config(backend='memshare', ...); "
         "memshare.Parallel follows the backend one names",
-        lambda: _has(_joblib_parallel, "_backend") and isinstance(_joblib_parallel.default_parallel_config, dict),
+        lambda: _has(_joblib_parallel(), "_backend") and isinstance(_joblib_parallel().default_parallel_config, dict),
     ),
     (
         "joblib.Parallel._backend",
         "memshare.Parallel warns when the backend a call runs on copies a writable shared array into its workers",
-        lambda: _uses_attribute(joblib.Parallel, "_backend"),
+        lambda: _uses_attribute(_joblib_parallel().Parallel, "_backend"),
     ),
     (
         "joblib BatchedCalls.items",
         "a large object passed to many tasks is pickled once per call: memshare finds the calls' arguments",
-        lambda: _uses_attribute(_joblib_parallel.BatchedCalls, "items"),
+        lambda: _uses_attribute(_joblib_parallel().BatchedCalls, "items"),
     ),
     (
         "joblib AutoBatchingMixin._effective_batch_size",
         "a batch that would dump too much is made smaller, and joblib then measures batches of that size",
-        lambda: _uses_attribute(_joblib_parallel.AutoBatchingMixin, "_effective_batch_size"),
+        lambda: _uses_attribute(_joblib_parallel().AutoBatchingMixin, "_effective_batch_size"),
     ),
     (
         "joblib ParallelBackendBase._prepare_worker_env",
         "memshare's workers get the thread limits joblib gives its own (inner_max_num_threads)",
-        lambda: _has(_joblib_parallel.ParallelBackendBase, "_prepare_worker_env"),
+        lambda: _has(_joblib_parallel().ParallelBackendBase, "_prepare_worker_env"),
     ),
     (
         "loky TerminatedWorkerError's message: the exit codes as get_exitcodes_terminated_worker writes them",
         "a call whose worker died names the signal that killed it (loky gives the exit codes in no other way)",
         lambda: (
             _exit_codes_in(
-                _loky_process_executor.get_exitcodes_terminated_worker(
+                _loky_process_executor().get_exitcodes_terminated_worker(
                     {1: SimpleNamespace(exitcode=-11), 2: SimpleNamespace(exitcode=1)}
                 )
             )
@@ -134,7 +156,7 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
     (
         "loky process_executor._MAX_MEMORY_LEAK_SIZE",
         "workers lift loky's 300 MB leak limit, which the shared pages they map would trip",
-        lambda: _has(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"),
+        lambda: _has(_loky_process_executor(), "_MAX_MEMORY_LEAK_SIZE"),
     ),
     (
         "multiprocessing Pool._setup_queues / _quick_get",
@@ -214,12 +236,12 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         "loky resource_tracker._resource_tracker._lock",
         "loky 3.4's tracker lock is made re-entrant: a semaphore finalized by the garbage collector inside it "
         "would otherwise deadlock the call that starts workers",
-        lambda: _has(getattr(_loky_resource_tracker, "_resource_tracker", None), "_lock"),
+        lambda: _has(getattr(_loky_resource_tracker(), "_resource_tracker", None), "_lock"),
     ),
     (
         "loky resource_tracker._resource_tracker._pid",
         "a killed owner's watchdog waits for loky's tracker to exit (its workers gone) before removing its semaphores",
-        lambda: _has(getattr(_loky_resource_tracker, "_resource_tracker", None), "_pid"),
+        lambda: _has(getattr(_loky_resource_tracker(), "_resource_tracker", None), "_pid"),
     ),
     (
         "threading.Lock._at_fork_reinit",
@@ -240,13 +262,19 @@ def _run_checks() -> Tuple[Check, ...]:
     return tuple(checks)
 
 
-#: The result of looking each name up at import; immutable afterwards.
-CHECKS: Tuple[Check, ...] = _run_checks()
+def __getattr__(name: str) -> Any:
+    # CHECKS, the result of looking each name up, is made on first use, not at import: looking up
+    # joblib's and loky's names imports them, which a MemmappingPool and its workers do not need.
+    # Immutable once made; two threads making it at once make equal tuples.
+    if name == "CHECKS":
+        checks = globals()["CHECKS"] = _run_checks()
+        return checks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def failed_checks() -> List[Check]:
     """The private names that the installed versions lack."""
-    return [check for check in CHECKS if not check.found]
+    return [check for check in sys.modules[__name__].CHECKS if not check.found]
 
 
 # -- joblib ------------------------------------------------------------------
@@ -279,8 +307,9 @@ def parallel_config_options() -> Dict[str, Any]:
     offers no public way to read it; empty outside any ``parallel_config``
     (or where the name is missing).
     """
-    config = getattr(getattr(_joblib_parallel, "_backend", None), "config", None)
-    defaults = getattr(_joblib_parallel, "default_parallel_config", {})
+    joblib_parallel = _joblib_parallel()
+    config = getattr(getattr(joblib_parallel, "_backend", None), "config", None)
+    defaults = getattr(joblib_parallel, "default_parallel_config", {})
     if not isinstance(config, dict):
         return {}
     return {key: value for key, value in config.items() if value is not defaults.get(key)}
@@ -297,7 +326,9 @@ def batched_calls(task: Any) -> Optional[List[Tuple[Any, tuple, dict]]]:
     joblib sends a batch of calls as one ``BatchedCalls`` object whose
     ``items`` (an attribute its docs do not name) lists them.
     """
-    if isinstance(task, _joblib_parallel.BatchedCalls):
+    # Without joblib imported, no task is a joblib batch: a pool's tasks do not import it to find out.
+    batch_class = getattr(sys.modules.get("joblib.parallel"), "BatchedCalls", None)
+    if batch_class is not None and isinstance(task, batch_class):
         return getattr(task, "items", None)
     return None
 
@@ -341,8 +372,9 @@ def set_loky_leak_limit(nbytes: int) -> None:
     The loky releases bundled by joblib 1.3 to 1.6 hard-code the limit in this
     module global and read it at each check.
     """
-    if hasattr(_loky_process_executor, "_MAX_MEMORY_LEAK_SIZE"):
-        _loky_process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
+    process_executor = _loky_process_executor()
+    if hasattr(process_executor, "_MAX_MEMORY_LEAK_SIZE"):
+        process_executor._MAX_MEMORY_LEAK_SIZE = nbytes
 
 
 def make_loky_tracker_reentrant() -> None:
@@ -356,7 +388,7 @@ def make_loky_tracker_reentrant() -> None:
     loky releases build on the standard library's tracker, whose lock is
     re-entrant already. Called once, at import, before any worker starts.
     """
-    tracker = getattr(_loky_resource_tracker, "_resource_tracker", None)
+    tracker = getattr(_loky_resource_tracker(), "_resource_tracker", None)
     lock = getattr(tracker, "_lock", None)
     if lock is not None and isinstance(lock, type(threading.Lock())) and not lock.locked():
         tracker._lock = threading.RLock()
@@ -368,11 +400,12 @@ def loky_tracker_pid() -> Optional[int]:
     None too in a child forked by ``multiprocessing``, which shares its
     parent's tracker without knowing its pid.
     """
+    resource_tracker = _loky_resource_tracker()
     try:
-        _loky_resource_tracker.ensure_running()
+        resource_tracker.ensure_running()
     except Exception:  # the tracker is loky's business: starting a worker will say what is wrong
         return None
-    pid = getattr(getattr(_loky_resource_tracker, "_resource_tracker", None), "_pid", None)
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
     return pid if isinstance(pid, int) and pid > 0 else None
 
 
@@ -581,7 +614,7 @@ def reinit_lock(lock: Any) -> None:
 
 
 __all__ = [
-    "CHECKS",
+    "CHECKS",  # noqa: F822 (made on first use, by the module's __getattr__)
     "Check",
     "PoolWithHooks",
     "drain_task_queue",

@@ -4,18 +4,43 @@ from __future__ import annotations
 
 import pickle
 import signal
-from typing import Optional
+from typing import Any, Optional
 
-from joblib.externals.loky.process_executor import TerminatedWorkerError
+from . import _forksafe
+
+# WorkerDiedError subclasses loky's error, and loky comes with joblib, which neither a MemmappingPool nor its
+# workers need otherwise: the class is made on first use (importing it from this module, or memshare's),
+# once per process, under this lock.
+_made_lock = _forksafe.lock()
 
 
-class WorkerDiedError(TerminatedWorkerError):
-    """A worker process ended abruptly (killed, crashed) while tasks were pending.
+def _make_worker_died_error(base: type) -> type:
+    class WorkerDiedError(base):
+        """A worker process ended abruptly (killed, crashed) while tasks were pending.
 
-    A subclass of ``joblib.externals.loky.process_executor.TerminatedWorkerError``
-    (hence of ``RuntimeError``), so code written for joblib's loky backend
-    catches it too.
-    """
+        A subclass of ``joblib.externals.loky.process_executor.TerminatedWorkerError``
+        (hence of ``RuntimeError``), so code written for joblib's loky backend
+        catches it too.
+        """
+
+    WorkerDiedError.__module__ = __name__
+    WorkerDiedError.__qualname__ = "WorkerDiedError"
+    return WorkerDiedError
+
+
+def __getattr__(name: str) -> Any:
+    if name != "WorkerDiedError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Imported before the lock is taken: a first import of joblib registers memshare's backend, whose
+    # module asks for this class in the same thread.
+    from joblib.externals.loky.process_executor import TerminatedWorkerError
+
+    with _made_lock:
+        # A module global from now on: pickle and every later import find the same class.
+        made = globals().get(name)
+        if made is None:
+            made = globals()[name] = _make_worker_died_error(TerminatedWorkerError)
+    return made
 
 
 class SharedMemoryFullError(OSError):

@@ -19,6 +19,7 @@ by themselves when the parent dies.
 from __future__ import annotations
 
 import itertools
+import multiprocessing.forkserver
 import os
 import pickle
 import sys
@@ -145,6 +146,9 @@ class MemmappingPool(PoolWithHooks):
             # imported start at once; otherwise each imports it, and a second
             # pool or a replacement worker pays that again.
             preload_in_fork_server("memshare")
+            # Started now, not by the first worker: the server imports memshare while this process sets up
+            # the pool's session (the memfd probe, a folder, a socket), instead of after.
+            multiprocessing.forkserver.ensure_running()
         self._session = Session(
             settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
         )

@@ -14,9 +14,9 @@ import threading
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from .. import _forksafe
+from .. import _errors, _forksafe
 from .._compat import fail_pool_result
-from .._errors import WorkerDiedError, describe_exit
+from .._errors import describe_exit
 
 _LOOK_AGAIN = 0.05  # seconds: wait for a recorded worker to start, or an ended one to be reaped
 
@@ -148,7 +148,8 @@ class WorkerWatch:
             # there, it takes the lock with it and no other worker can ever
             # receive a task. So the pool is broken, as concurrent.futures
             # says of its own: fail everything now rather than hang.
-            self.broken = WorkerDiedError(self._explain(process.pid, code))
+            # The error class is made (and joblib imported) now, not with the pool: see _errors.
+            self.broken = _errors.WorkerDiedError(self._explain(process.pid, code))
             for result in list(pending.values()):
                 fail_pool_result(result, self.broken)
         return waiting

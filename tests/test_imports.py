@@ -1,0 +1,76 @@
+"""What ``import memshare`` and a ``MemmappingPool`` import: no joblib or loky unless joblib is used.
+
+Each case runs in a fresh interpreter, since this one has imported joblib already.
+"""
+
+import json
+
+import pytest
+from conftest import run_script
+
+#: Modules a plain pool needs in neither process.
+NOT_FOR_A_POOL = ("joblib", "joblib.externals.loky", "pandas", "pyarrow", "scipy")
+
+POOL_SCRIPT = f"""
+import json, sys
+import memshare
+
+def imported(_):
+    import sys
+    return [name for name in {NOT_FOR_A_POOL!r} if name in sys.modules]
+
+with memshare.MemmappingPool(2, context=sys.argv[1]) as pool:
+    workers = pool.map(imported, range(4), chunksize=1)
+print(json.dumps({{"workers": workers, "parent": imported(None)}}))
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork", "spawn"])
+def test_a_pool_and_its_workers_import_no_joblib(shm_dir, method):
+    """``import memshare`` and a pool's first map import neither joblib nor loky, in the parent or a worker."""
+    code = POOL_SCRIPT.replace("sys.argv[1]", repr(method))
+    seen = json.loads(run_script(code).stdout.strip().splitlines()[-1])
+    assert seen == {"workers": [[], [], [], []], "parent": []}
+
+
+@pytest.mark.parametrize("joblib_first", [True, False], ids=["joblib-first", "memshare-first"])
+def test_the_backend_is_registered_whichever_is_imported_first(shm_dir, joblib_first):
+    imports = "import joblib\nimport memshare" if joblib_first else "import memshare\nimport joblib"
+    code = f"""
+{imports}
+import numpy as np
+from joblib.parallel import BACKENDS
+assert "memshare" in BACKENDS, sorted(BACKENDS)
+assert joblib.__spec__.loader is joblib.__loader__ and type(joblib.__loader__).__module__ != "memshare._registration"
+with joblib.parallel_config(backend="memshare", n_jobs=2):
+    assert joblib.Parallel()(joblib.delayed(np.sum)(np.ones(10)) for _ in range(3)) == [10.0] * 3
+print("ok")
+"""
+    assert run_script(code).stdout.strip().endswith("ok")
+
+
+def test_the_backend_is_registered_when_only_a_joblib_submodule_is_imported(shm_dir):
+    code = """
+import memshare
+from joblib.parallel import BACKENDS
+assert "memshare" in BACKENDS, sorted(BACKENDS)
+print("ok")
+"""
+    assert run_script(code).stdout.strip().endswith("ok")
+
+
+def test_worker_died_error_is_lokys_error_and_one_class(shm_dir):
+    code = """
+import pickle, sys
+import memshare
+assert "joblib" not in sys.modules
+from memshare import WorkerDiedError
+from memshare._errors import WorkerDiedError as same
+from joblib.externals.loky.process_executor import TerminatedWorkerError
+assert same is WorkerDiedError is memshare.WorkerDiedError
+assert issubclass(WorkerDiedError, TerminatedWorkerError) and WorkerDiedError.__module__ == "memshare._errors"
+assert type(pickle.loads(pickle.dumps(WorkerDiedError("gone")))) is WorkerDiedError
+assert "WorkerDiedError" in dir(memshare) and "Parallel" in dir(memshare)
+print("ok")
+"""
+    assert run_script(code).stdout.strip().endswith("ok")
