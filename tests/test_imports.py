@@ -74,3 +74,23 @@ assert "WorkerDiedError" in dir(memshare) and "Parallel" in dir(memshare)
 print("ok")
 """
     assert run_script(code).stdout.strip().endswith("ok")
+
+
+def test_a_failed_import_of_joblib_leaves_the_registration_waiting(shm_dir):
+    code = """
+import sys
+import memshare
+sys.modules["joblib.parallel"] = None  # joblib's __init__ fails to import it
+try:
+    import joblib
+except ImportError:
+    pass
+else:
+    raise AssertionError("joblib imported")
+for name in [name for name in sys.modules if name == "joblib" or name.startswith("joblib.")]:
+    del sys.modules[name]
+import joblib
+assert "memshare" in joblib.parallel.BACKENDS, sorted(joblib.parallel.BACKENDS)
+print("ok")
+"""
+    assert run_script(code).stdout.strip().endswith("ok")

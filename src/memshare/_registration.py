@@ -36,8 +36,9 @@ class _RegisteringLoader:
     imports ``importlib.resources`` and ``pathlib``.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, finder: _AfterJoblib) -> None:
         self._loader = loader
+        self._finder = finder
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
@@ -47,7 +48,11 @@ class _RegisteringLoader:
         module.__loader__ = self._loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
+        try:
+            self._loader.exec_module(module)
+        except BaseException:
+            self._finder.install()  # joblib failed to import: wait for the next attempt
+            raise
         _register()
 
 
@@ -73,8 +78,13 @@ class _AfterJoblib:
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec  # a loader of another kind: memshare.Parallel still registers the backend when used
-        spec.loader = _RegisteringLoader(spec.loader)
+        spec.loader = _RegisteringLoader(spec.loader, self)
         return spec
+
+    def install(self) -> None:
+        with self._lock:
+            if self not in sys.meta_path:
+                sys.meta_path.insert(0, self)
 
 
 def register_when_joblib_is_imported() -> None:
@@ -83,4 +93,4 @@ def register_when_joblib_is_imported() -> None:
         _register()
     elif not any(isinstance(finder, _AfterJoblib) for finder in sys.meta_path):
         # The finder is the process's one wait for joblib; it removes itself when joblib is found.
-        sys.meta_path.insert(0, _AfterJoblib())
+        _AfterJoblib().install()
