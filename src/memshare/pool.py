@@ -142,9 +142,9 @@ class MemmappingPool(PoolWithHooks):
         check_context_id(context_id)
         context = resolve_context(context)
         if context.get_start_method() == "forkserver":
-            # Workers forked from a server that has memshare (numpy, joblib)
-            # imported start at once; otherwise each imports it, and a second
-            # pool or a replacement worker pays that again.
+            # Workers forked from a server that has memshare (and numpy, not
+            # joblib: see _registration) imported start at once; otherwise each
+            # imports it, and a second pool or a replacement worker pays that again.
             preload_in_fork_server("memshare")
             # Started now, not by the first worker: the server imports memshare while this process sets up
             # the pool's session (the memfd probe, a folder, a socket), instead of after.
