@@ -69,6 +69,16 @@ def parse_max_nbytes(value: Union[int, float, str, None]) -> Optional[int]:
     return int(number)
 
 
+def over_max_nbytes(nbytes: int, max_nbytes: Optional[int]) -> bool:
+    """True when data of ``nbytes`` bytes leaves the task payloads: more than ``max_nbytes`` (never when None).
+
+    joblib's rule (``a.nbytes > max_nbytes`` in its memmapping reducer),
+    the one rule for arrays, out-of-band buffers and argument objects, both
+    ways: data of exactly ``max_nbytes`` bytes is pickled.
+    """
+    return max_nbytes is not None and nbytes > max_nbytes
+
+
 def _finite_number(text: object) -> Optional[float]:
     """``text`` as a finite float, or None when it is not one."""
     try:

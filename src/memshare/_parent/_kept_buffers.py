@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .. import _forksafe
+from .._config import over_max_nbytes
 from .._lifetime._folders import delete_file
 from .._lifetime._location import Location
 from .._lifetime._temp_folder import TempFolder
@@ -90,12 +91,12 @@ class KeptBuffers:
 
     # -- owners ----------------------------------------------------------------
 
-    def note_owner(self, obj: Any, min_nbytes: int) -> None:
-        """``obj`` (an Arrow object being pickled) holds its buffers of at least ``min_nbytes`` while it lives."""
+    def note_owner(self, obj: Any, max_nbytes: Optional[int]) -> None:
+        """``obj`` (an Arrow object being pickled) holds its buffers above ``max_nbytes`` while it lives."""
         with self._lock:
             if obj in self._owners:
                 return
-            keys = sorted({key for key in _buffer_keys(obj) if key[1] >= min_nbytes})
+            keys = sorted({key for key in _buffer_keys(obj) if over_max_nbytes(key[1], max_nbytes)})
             if not keys:
                 return
             for key in keys:

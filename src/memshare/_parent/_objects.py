@@ -2,7 +2,7 @@
 
 :class:`ObjectPacker` is one session's side of it: for each task it finds
 the arguments that may pickle large (``_routes.object_candidate``), measures
-them with a pickling pass that writes nothing, and writes those of at least
+them with a pickling pass that writes nothing, and writes those of more than
 ``max_nbytes`` (``_routes.object_route``) to a dump once per call, through
 the session's dump table. The task's payload then names each dump wherever
 it meets the object (``_reducers.pack``'s ``objects``), and the worker
@@ -94,7 +94,7 @@ class ObjectPacker:
 
         An argument that may pickle large (``_routes.object_candidate``) is
         measured first by a pickling pass that changes nothing
-        (:meth:`_measure`). From ``max_nbytes`` on (``OBJECT_DUMP``) it is
+        (:meth:`_measure`). Above ``max_nbytes`` (``OBJECT_DUMP``) it is
         pickled for real, alone, into a dump that every task of the call
         passing the same object reads; the task's stream, and the payloads of
         other large objects, name that dump wherever they meet the object, so

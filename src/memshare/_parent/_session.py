@@ -314,7 +314,7 @@ class Session:
 
     def _note_arrow(self, obj: Any) -> None:
         """An Arrow object met while packing: its large buffers may be kept for later calls while it lives."""
-        kept_buffers().note_owner(obj, max(1, self.settings.max_nbytes or 0))
+        kept_buffers().note_owner(obj, self.settings.max_nbytes)
 
     def _reduce_buffer(self, record: _TaskRecord, buffer: pickle.PickleBuffer) -> Optional[ArrayRef]:
         """The pickler's buffer policy for task arguments: the dump standing for ``buffer``, or None: in the stream.

@@ -17,6 +17,7 @@ from typing import Any, Callable, Container, Optional
 
 import numpy as np
 
+from .._config import over_max_nbytes
 from .._transport._refs import (
     DUMP,
     HELD,
@@ -67,7 +68,7 @@ INPUT_FILE = "input-file"
 #: result's size: the result keeps the whole file alive (a dump past the call's end, say).
 FILE_PER_RESULT = 8
 # Argument objects (object_route):
-#: An argument object that pickles to at least ``max_nbytes``: pickled once per call into a
+#: An argument object that pickles to more than ``max_nbytes``: pickled once per call into a
 #: dump, which each task that passes it unpickles (a fresh object per task).
 OBJECT_DUMP = "object-dump"
 
@@ -117,7 +118,8 @@ def input_route(
 ) -> Route:
     """How a task argument travels to a worker.
 
-    ``max_nbytes`` is the session's threshold (None: never dump);
+    ``max_nbytes`` is the session's threshold (None: never dump; see
+    ``_config.over_max_nbytes``);
     ``own_dumps`` holds the paths of the session's current dump files;
     ``copy_on_write_unwritten`` tells whether no page of a private file
     mapping (a copy-on-write memmap, a private ``mmap.mmap``) was written in
@@ -140,7 +142,7 @@ def input_route(
         if ref.kind == DUMP and ref.path in own_dumps:
             return Route(OWN_DUMP, ref=ref)
         return Route(REFERENCE, ref=ref)
-    if max_nbytes is None or array.nbytes <= max_nbytes:
+    if not over_max_nbytes(array.nbytes, max_nbytes):
         return Route(PICKLE)
     base = _dumpable_base(array)
     if base is not None:
@@ -220,14 +222,14 @@ def _dump_mode(array: np.ndarray) -> Optional[str]:
 def buffer_route(nbytes: int, contiguous: bool, max_nbytes: Optional[int]) -> Route:
     """How one buffer that pickle offers out of band travels (either way).
 
-    ``OUT_OF_BAND`` from ``max_nbytes`` on (None: never). At, not only above
-    as for arrays: Arrow data read in batches has many buffers of exactly a
-    power of two (2**17 rows of 8 bytes is 1 MiB, joblib's default
-    threshold), and each would otherwise be pickled for every task.
-    ``PICKLE`` otherwise: small or empty, or not contiguous (pickle then
-    copies it into the stream itself).
+    ``OUT_OF_BAND`` above ``max_nbytes`` (None: never), as arrays: a buffer
+    of exactly ``max_nbytes`` bytes is pickled (``_config.over_max_nbytes``).
+    An array small enough to be pickled offers its own buffer here too, so
+    any other rule would send it out of band after all. ``PICKLE`` otherwise:
+    small or empty, or not contiguous (pickle then copies it into the
+    stream itself).
     """
-    if max_nbytes is None or nbytes == 0 or nbytes < max_nbytes or not contiguous:
+    if nbytes == 0 or not contiguous or not over_max_nbytes(nbytes, max_nbytes):
         return Route(PICKLE)
     return Route(OUT_OF_BAND)
 
@@ -273,7 +275,7 @@ def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:
     not be linked into the call's folder: another file system): the carrier
     finds the failure, this function decides what comes next.
     """
-    if max_nbytes is None or array.nbytes <= max_nbytes:
+    if not over_max_nbytes(array.nbytes, max_nbytes):
         return Route(BY_VALUE)
     return Route(RESULT_FILE)
 
@@ -294,7 +296,7 @@ OBJECT_DUMP_MIN = 64 * 1024
 
 
 def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
-    """True when the argument ``obj`` may pickle to ``max_nbytes`` or more: then pickle it alone to know.
+    """True when the argument ``obj`` may pickle to more than ``max_nbytes``: then pickle it alone to know.
 
     Cheap and conservative: a walk of at most ``_LOOK_AT`` objects through
     built-in containers, scalars, text and arrays, adding an upper bound of
@@ -305,10 +307,11 @@ def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
     """
     if max_nbytes is None or isinstance(obj, _NEVER_OBJECTS):
         return False
-    return not _surely_smaller(obj, max(max_nbytes, OBJECT_DUMP_MIN))
+    return not _surely_smaller(obj, max(max_nbytes + 1, OBJECT_DUMP_MIN))
 
 
 def _surely_smaller(obj: Any, limit: int) -> bool:
+    """True when ``obj`` surely pickles to less than ``limit`` bytes, the least size an object dump takes."""
     pending, budget, total = [obj], _LOOK_AT, 0
     while pending:
         item = pending.pop()
@@ -347,10 +350,11 @@ def _surely_smaller(obj: Any, limit: int) -> bool:
 def object_route(nbytes: int, max_nbytes: Optional[int]) -> Route:
     """How an argument object that pickled alone to ``nbytes`` travels.
 
-    ``OBJECT_DUMP`` from ``max_nbytes`` on (at, as buffers), but never below
-    ``OBJECT_DUMP_MIN``, so that it is pickled once per call however many
-    tasks pass it; ``PICKLE`` otherwise: its pickle goes in the task's own payload.
+    ``OBJECT_DUMP`` above ``max_nbytes``, as arrays and buffers, but never
+    below ``OBJECT_DUMP_MIN``, so that it is pickled once per call however
+    many tasks pass it; ``PICKLE`` otherwise: its pickle goes in the task's
+    own payload.
     """
-    if max_nbytes is None or nbytes < max(max_nbytes, OBJECT_DUMP_MIN):
+    if nbytes < OBJECT_DUMP_MIN or not over_max_nbytes(nbytes, max_nbytes):
         return Route(PICKLE)
     return Route(OBJECT_DUMP)
