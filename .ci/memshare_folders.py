@@ -3,25 +3,25 @@
 A name counts when memshare's own owner parsing accepts it (``_owners.parse_folder_name``,
 as ``python -m memshare clean`` does): other entries called ``memshare-*`` (a virtual
 environment, a clone, a note) are not memshare's. ``_owners`` is loaded from the
-checkout by its path and uses the standard library only, so this runs before any install.
+checkout's folder, as a module of a package that runs no ``__init__``: it and the ``_procfs``
+it reads ``/proc`` through use the standard library only, so this runs before any install.
 """
 
-import importlib.util
+import importlib
 import os
 import sys
 import tempfile
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_owners():
-    spec = importlib.util.spec_from_file_location(
-        "_memshare_owners", os.path.join(ROOT, "src", "memshare", "_lifetime", "_owners.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    """memshare's ``_owners`` from the checkout, without running the package's ``__init__`` (numpy not needed)."""
+    package = types.ModuleType("_memshare_lifetime")
+    package.__path__ = [os.path.join(ROOT, "src", "memshare", "_lifetime")]
+    sys.modules[package.__name__] = package
+    return importlib.import_module("_memshare_lifetime._owners")
 
 
 def main() -> None:

@@ -219,11 +219,10 @@ def test_glibc_malloc_is_found_in_a_non_pie_python(python):
         pytest.skip("no non-PIE Python on this machine")
     code = textwrap.dedent(
         f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("probe", {str(SRC / "memshare" / "_parent" / "_malloc.py")!r})
-        probe = sys.modules["probe"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(probe)
-        found = probe.find()
+        import importlib, sys, types
+        package = sys.modules["probe"] = types.ModuleType("probe")  # memshare's folder, without its __init__
+        package.__path__ = [{str(SRC / "memshare")!r}]
+        found = importlib.import_module("probe._parent._malloc").find()
         print(found.glibc, found.describe())
         """
     )

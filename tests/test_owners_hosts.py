@@ -23,7 +23,7 @@ import textwrap
 import pytest
 from conftest import without_location_settings
 
-from memshare._lifetime import _location
+from memshare._lifetime import _procfs
 from memshare._lifetime._location import is_network_fstype, mount_fstype
 from memshare._lifetime._owners import Owner, host_identity, new_folder_name, parse_folder_name, pid_namespace
 from memshare._lifetime._sweep import sweep_dead_owners
@@ -237,7 +237,7 @@ def test_network_file_system_types(fstype, network):
 def fake_network_mount(monkeypatch, path) -> None:
     """Make memshare read a mount table in which ``path`` is an NFS mount."""
     table = MOUNTINFO + f"\n99 27 0:99 / {os.path.realpath(str(path))} rw - nfs4 filer:/export rw"
-    monkeypatch.setattr(_location, "read_mountinfo", lambda: table)
+    monkeypatch.setattr(_procfs, "mountinfo", lambda: table)
 
 
 def test_the_sweep_leaves_network_file_systems_alone_unless_asked(shared, monkeypatch):

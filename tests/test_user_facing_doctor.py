@@ -22,7 +22,7 @@ from conftest import array_fit_to_hold
 
 import memshare
 from memshare import _config
-from memshare._lifetime import _location
+from memshare._lifetime import _location, _procfs
 from memshare._parent import _held_once
 from memshare._parent._held_memory import unsupported_reason
 from memshare._tools import doctor as _doctor
@@ -48,7 +48,7 @@ def _line(lines: list, start: str) -> str:
 
 
 def _disk_fstype(path) -> str:
-    fstype = _location.mount_fstype(os.path.realpath(str(path)), _location.read_mountinfo())
+    fstype = _location.mount_fstype(os.path.realpath(str(path)), _procfs.mountinfo())
     if fstype in (None, "tmpfs", "ramfs"):
         pytest.skip(f"{path} is not on a disk file system here ({fstype})")
     return fstype
@@ -92,7 +92,7 @@ def test_disk_temp_folder_warns_once_and_logs_its_creation(tmp_path, clean_envir
 
 def test_ram_temp_folder_does_not_warn(clean_environment):
     """A folder the user chose in /dev/shm (tmpfs) is RAM: no warning."""
-    if _location.mount_fstype("/dev/shm", _location.read_mountinfo()) != "tmpfs":
+    if _location.mount_fstype("/dev/shm", _procfs.mountinfo()) != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")
     folder = f"/dev/shm/user-facing-test-{uuid.uuid4().hex}"
     try:

@@ -15,7 +15,8 @@ from typing import Optional, Protocol, Set, Tuple
 from .. import _forksafe
 from .._config import ENV_TEMP_FOLDER, disk_folder_message, format_bytes
 from .._errors import SharedMemoryFallbackWarning
-from ._location import Location, free_bytes, mount_fstype, read_mountinfo
+from . import _procfs
+from ._location import Location, free_bytes, mount_fstype
 
 # (folder, what) pairs already warned about, so that a call warns once and not once per array.
 _warned: Set[Tuple[str, str]] = set()
@@ -65,7 +66,7 @@ def warn_if_on_disk(location: Location, stacklevel: int = 3) -> None:
     if location.in_memory or location.chosen_by is None:
         return
     message = disk_folder_message(
-        location.base, mount_fstype(os.path.realpath(location.base), read_mountinfo()), location.chosen_by
+        location.base, mount_fstype(os.path.realpath(location.base), _procfs.mountinfo()), location.chosen_by
     )
     if message is not None and _first_warning(location.base, "not RAM"):
         warnings.warn(message, SharedMemoryFallbackWarning, stacklevel=stacklevel)

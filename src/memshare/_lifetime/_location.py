@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .._config import folder_from_environment, resolve_folder
-from . import _memfd
+from . import _memfd, _procfs
 
 SHM_ROOT = "/dev/shm"
 
@@ -114,16 +114,6 @@ NETWORK_FSTYPES = frozenset(
 )
 #: FUSE file systems known to be local; any other ``fuse.*`` type counts as shared (sshfs, s3fs, glusterfs...).
 LOCAL_FUSE_FSTYPES = frozenset({"fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.portal", "fuse.gvfsd-fuse"})
-MOUNTINFO = "/proc/self/mountinfo"
-
-
-def read_mountinfo() -> str:
-    """This process's mount table, or an empty string where there is none (no ``/proc``)."""
-    try:
-        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as table:
-            return table.read()
-    except OSError:
-        return ""
 
 
 def _unescape_mount_path(field: str) -> str:
@@ -170,5 +160,5 @@ def network_fstype(path: str, mountinfo: Optional[str] = None) -> Optional[str]:
     folders are safe there all the same: a folder's name records its host,
     and only this host's owners are judged dead (``_owners``).
     """
-    fstype = mount_fstype(os.path.realpath(path), read_mountinfo() if mountinfo is None else mountinfo)
+    fstype = mount_fstype(os.path.realpath(path), _procfs.mountinfo() if mountinfo is None else mountinfo)
     return fstype if is_network_fstype(fstype) else None

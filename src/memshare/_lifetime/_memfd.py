@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import _forksafe
 from .._stats import logger
+from . import _procfs
 
 try:
     import resource
@@ -128,7 +129,7 @@ def _probe() -> Tuple[bool, str]:
         return False, f"{ENV_MEMFD}={switch} turns memfds off"
     if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         return False, "memfd_create is not available (Linux only, Python 3.8+)"
-    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+    if not os.path.isdir(_procfs.fd_folder(os.getpid())):
         return False, "/proc is not mounted or hidden, so workers could not open memfds"
     try:
         fd = os.memfd_create(f"{NAME_PREFIX}probe-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
@@ -136,7 +137,7 @@ def _probe() -> Tuple[bool, str]:
         return False, f"memfd_create failed: {exc}"
     try:
         info = os.fstat(fd)
-        path = f"/proc/{os.getpid()}/fd/{fd}"
+        path = _procfs.fd_path(os.getpid(), fd)
         try:
             child = subprocess.run(
                 [sys.executable, "-I", "-S", "-c", _PROBE_CHILD, path],
@@ -257,7 +258,7 @@ def create(kind: str) -> Tuple[str, int]:
     except BaseException:
         os.close(kept)
         raise
-    path = f"/proc/{os.getpid()}/fd/{kept}"
+    path = _procfs.fd_path(os.getpid(), kept)
     with _registry.lock:
         _registry.fds[path] = kept
         _registry.identities[path] = (info.st_dev, info.st_ino)
@@ -338,7 +339,7 @@ def kind_of(path: str) -> Optional[str]:
 
 def kind_of_descriptor(fd: int) -> Optional[str]:
     """:func:`kind_of` for a descriptor this process opened: no race with the path being reused."""
-    return kind_of(f"/proc/self/fd/{fd}")
+    return kind_of(_procfs.fd_path("self", fd))
 
 
 @dataclass(frozen=True)
@@ -356,17 +357,17 @@ def live_memfds() -> List[LiveMemfd]:
     """Every memshare memfd that a process of this user holds open, once per process and file."""
     found: List[LiveMemfd] = []
     try:
-        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+        pids = _procfs.pids()
     except OSError:
         return found
     for pid in sorted(pids):
         seen = set()
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            fds = _procfs.descriptors(pid)
         except OSError:
             continue  # gone, or another user's
         for fd in fds:
-            path = f"/proc/{pid}/fd/{fd}"
+            path = _procfs.fd_path(pid, fd)
             kind = kind_of(path)
             if kind is None:
                 continue
@@ -388,15 +389,15 @@ def descriptors_of(pid: Optional[int] = None) -> int:
     held) and anything open in a memshare folder (a session's folder, kept
     open for its result socket). 0 where ``/proc`` cannot be read.
     """
-    folder = f"/proc/{os.getpid() if pid is None else pid}/fd"
+    pid = os.getpid() if pid is None else pid
     try:
-        names = os.listdir(folder)
+        names = _procfs.descriptors(pid)
     except OSError:
         return 0
     count = 0
     for name in names:
         try:
-            target = os.readlink(f"{folder}/{name}")
+            target = os.readlink(_procfs.fd_path(pid, name))
         except OSError:
             continue
         if target.startswith(f"/memfd:{NAME_PREFIX}") or f"/{NAME_PREFIX}" in target:

@@ -41,6 +41,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from . import _procfs
+
 FOLDER_PREFIX = "memshare-"
 #: The suffix of a folder's disk fallback twin.
 TWIN_SUFFIX = "-disk"
@@ -52,24 +54,22 @@ _NAME_PATTERN = re.compile(
     rf"^memshare-(\d+)-(\d+)-(\d+)-(?:([0-9a-f]{{{HOST_DIGITS}}})-)?[0-9a-f]{{16}}(?:{TWIN_SUFFIX})?$"
 )
 _MACHINE_ID = "/etc/machine-id"
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-_HAVE_PROC = os.path.isdir("/proc/self")
+_HAVE_PROC = _procfs.available()
 
 
 def process_start_time(pid: int) -> Optional[int]:
     """The start time of ``pid`` as an integer token, or None if it does not exist."""
     if _HAVE_PROC:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-            # Fields after "(comm)" start at field 3 ("state"); starttime is field 22.
-            return int(fields[19])
+            stat = _procfs.process_stat(pid)
         except FileNotFoundError:
             return None  # with /proc mounted, a missing entry means no such process
-        except (OSError, IndexError, ValueError):
-            pass
+        except OSError:
+            stat = None
+        if stat is not None:
+            return stat[1]
     try:
         import psutil
 
@@ -90,25 +90,19 @@ def host_identity() -> str:
     changed meanwhile, its own folders would otherwise look foreign to it); a
     forked child, on the same machine, rightly inherits it.
     """
-    machine = ""
-    for source in (_MACHINE_ID, _BOOT_ID):
-        try:
-            with open(source, encoding="ascii", errors="replace") as handle:
-                machine = handle.read().strip()
-        except OSError:
-            continue
-        if machine:
-            break
+    try:
+        with open(_MACHINE_ID, encoding="ascii", errors="replace") as handle:
+            machine = handle.read().strip()
+    except OSError:
+        machine = ""
+    machine = machine or _procfs.boot_id()
     digest = hashlib.sha256(f"{machine}\0{socket.gethostname()}".encode("utf-8", "replace"))
     return digest.hexdigest()[:HOST_DIGITS]
 
 
 def pid_namespace() -> int:
     """An identifier of this process's pid namespace (0 where unknown)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+    return _procfs.namespace("self", "pid") or 0
 
 
 #: What :meth:`Owner.status` says: only ``OWNER_DEAD`` lets a folder be removed.
@@ -183,10 +177,7 @@ class _Ticks(int):
 
 def _time_namespace(pid: object) -> Optional[int]:
     """The inode of the time namespace ``pid`` (or ``"self"``) lives in; None when it cannot be read."""
-    try:
-        return os.stat(f"/proc/{pid}/ns/time").st_ino
-    except OSError:
-        return None
+    return _procfs.namespace(pid, "time")
 
 
 def _boottime_offset(pid: object) -> Optional[int]:
@@ -195,17 +186,13 @@ def _boottime_offset(pid: object) -> Optional[int]:
     ``timens_offsets`` shows the namespace of the process's future children,
     which is its own unless it has just unshared one: then it is unknown.
     """
+    children = _procfs.namespace(pid, "time_for_children")
+    if children is None or children != _time_namespace(pid):
+        return None
     try:
-        if os.stat(f"/proc/{pid}/ns/time_for_children").st_ino != _time_namespace(pid):
-            return None
-        with open(f"/proc/{pid}/timens_offsets", "rb") as offsets:
-            for line in offsets:
-                fields = line.split()
-                if len(fields) == 3 and fields[0] == b"boottime":
-                    return int(fields[1]) * 1_000_000_000 + int(fields[2])
+        return _procfs.boottime_offset(pid)
     except (OSError, ValueError):
         return None
-    return None
 
 
 def _start_seen_by(pid: int, start: int) -> Optional[_Ticks]:
@@ -219,7 +206,7 @@ def _start_seen_by(pid: int, start: int) -> Optional[_Ticks]:
     off either way. Without time namespaces (no ``/proc/self/ns/time``)
     every process reads the same number.
     """
-    if not os.path.exists("/proc/self/ns/time"):
+    if _procfs.namespace("self", "time") is None:
         return _Ticks(start)  # no time namespaces here: one clock for all
     here, there = _time_namespace("self"), _time_namespace(pid)
     if here is None or there is None:

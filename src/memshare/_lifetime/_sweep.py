@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Set, Tuple
 
-from . import _location
+from . import _location, _procfs
 from ._owners import FOLDER_PREFIX, OWNER_DEAD, Owner, parse_folder_name
 from ._watchdog import remove_loky_semaphores
 
@@ -80,7 +80,7 @@ def find_folders(bases: Iterable[Optional[str]], mountinfo: Optional[str] = None
     for path, owner in list_folders(bases):
         base = os.path.dirname(path)
         if base not in network:
-            mountinfo = _location.read_mountinfo() if mountinfo is None else mountinfo
+            mountinfo = _procfs.mountinfo() if mountinfo is None else mountinfo
             network[base] = _location.network_fstype(base, mountinfo)
         fstype = network[base]
         found.append(FoundFolder(path, owner, owner.status(local=fstype is None), fstype))

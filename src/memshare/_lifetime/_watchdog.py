@@ -9,6 +9,8 @@ stopped, the watchdog removes the folders still registered and exits.
 
 This file runs as a plain script under ``python -I`` and uses the standard
 library only: it must start fast and must not import the owner's packages.
+It reads ``/proc`` through ``_procfs``, a standard-library module it loads
+from its own folder by path when it runs as a script.
 Paths travel hex-encoded, one per line, so that any byte string (non-ASCII,
 spaces, newlines, hundreds of characters) survives the protocol.
 
@@ -46,6 +48,17 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Tuple
 
+try:
+    from . import _procfs
+except ImportError:  # run as a script (no package): the module next to this file, by its path
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "memshare_procfs", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_procfs.py")
+    )
+    _procfs = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_procfs)
+
 #: Where loky's named semaphores show up (glibc names them ``/dev/shm/sem.<name>``).
 SEMAPHORE_DIR = "/dev/shm"
 #: loky's SemLock._make_name: "/loky-<pid>-<8 of tempfile's random characters>".
@@ -57,13 +70,8 @@ OWNER_EXIT_WAIT = 10.0
 def _process_state(pid: int) -> Optional[Tuple[str, int]]:
     """(state letter, start time) of ``pid`` from ``/proc``; None when there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            fields = stat_file.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    try:
-        return fields[0].decode("ascii", "replace"), int(fields[19])
-    except (IndexError, ValueError):
+        return _procfs.process_stat(pid)
+    except OSError:
         return None
 
 

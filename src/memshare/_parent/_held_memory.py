@@ -12,7 +12,6 @@ then writes into the new mapping.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .._compat import gil_enabled
+from .._lifetime import _procfs
 from . import _malloc
 
 try:
@@ -57,8 +57,7 @@ def unsupported_reason() -> Optional[str]:
     if not gil_enabled():
         return "needs the GIL: holding arrays once is not tested on free-threaded builds"
     try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.read(8)
+        _procfs.pagemap(0, 1)
     except OSError as exc:
         return f"/proc/self/pagemap cannot be read ({exc.strerror})"
     return None
@@ -95,11 +94,7 @@ def changed_pages(first_page: int, end: int) -> np.ndarray:
     are swapped, file pages are dropped), means written.
     """
     count = (end - first_page) // PAGE
-    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-        raw = os.pread(pagemap.fileno(), count * 8, first_page // PAGE * 8)
-    if len(raw) != count * 8:
-        raise OSError(errno.EIO, "short read of /proc/self/pagemap")
-    entries = np.frombuffer(raw, dtype=np.uint64)
+    entries = np.frombuffer(_procfs.pagemap(first_page // PAGE, count), dtype=np.uint64)
     written = ((entries & _PM_PRESENT) != 0) & ((entries & _PM_FILE) == 0)
     written |= (entries & _PM_SWAPPED) != 0
     return np.flatnonzero(written)
@@ -172,14 +167,10 @@ def _anonymous_extent(start: int) -> Optional[int]:
     ``glibc.mem.decorate_maps``: ``[anon:glibc: malloc]``); they are still
     private anonymous memory.
     """
-    with open("/proc/self/maps", "rb") as maps:
-        lines = maps.read().splitlines()
     end = None
-    for line in lines:
-        fields = line.split()
-        low, high = (int(x, 16) for x in fields[0].split(b"-"))
-        named = len(fields) < 6 or fields[5].startswith(b"[anon:")
-        anonymous = named and fields[3] == b"00:00" and fields[4] == b"0" and fields[1] == b"rw-p"
+    for low, high, permissions, _, device, inode, path in _procfs.mappings():
+        named = path is None or path.startswith(b"[anon:")
+        anonymous = named and device == b"00:00" and inode == b"0" and permissions == b"rw-p"
         if end is None and low <= start < high:
             if not anonymous:
                 return None
@@ -193,11 +184,7 @@ def _anonymous_extent(start: int) -> Optional[int]:
 
 def map_count_room(needed: int) -> bool:
     """True when this process can create ``needed`` more mappings (vm.max_map_count)."""
-    try:
-        with open("/proc/sys/vm/max_map_count", "rb") as limit:
-            maximum = int(limit.read())
-        with open("/proc/self/maps", "rb") as maps:
-            used = maps.read().count(b"\n")
-    except (OSError, ValueError):
+    maximum, used = _procfs.max_map_count(), _procfs.mapping_count()
+    if maximum is None or used is None:
         return False
     return used + needed + 1024 < maximum

@@ -31,6 +31,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .._lifetime import _procfs
+
 PAGE = mmap.PAGESIZE
 WORD = ctypes.sizeof(ctypes.c_size_t)
 CHUNK_HEADER = 2 * WORD
@@ -109,15 +111,12 @@ def _glibc_counter(libc: ctypes.CDLL):
 def object_at(address: int) -> Optional[str]:
     """The file mapped at ``address`` in this process (/proc/self/maps), or None."""
     try:
-        with open("/proc/self/maps", "rb") as maps:
-            lines = maps.read().splitlines()
+        mappings = _procfs.mappings()
     except OSError:
         return None
-    for line in lines:
-        fields = line.split(None, 5)
-        low, high = (int(x, 16) for x in fields[0].split(b"-"))
-        if low <= address < high:
-            return os.fsdecode(fields[5]) if len(fields) == 6 else None
+    for mapping in mappings:
+        if mapping.start <= address < mapping.end:
+            return None if mapping.path is None else os.fsdecode(mapping.path)
     return None
 
 
@@ -126,10 +125,7 @@ def _provider(address: int) -> str:
     path = object_at(address)
     if path is None:
         return f"malloc is at {address:#x}, in no file"
-    try:
-        executable = os.path.realpath("/proc/self/exe")
-    except OSError:
-        executable = None
+    executable = _procfs.executable()
     if executable is not None and os.path.realpath(path) == executable:
         # A non-PIE executable that calls malloc: dlsym() gives its PLT
         # entry (the function's canonical address), which jumps to whatever

@@ -45,7 +45,7 @@ from .._config import (
     format_bytes,
     parse_max_nbytes,
 )
-from .._lifetime import _holdings, _memfd, _watchdog
+from .._lifetime import _holdings, _memfd, _procfs, _watchdog
 from .._lifetime._location import (
     SHM_ROOT,
     Location,
@@ -54,7 +54,6 @@ from .._lifetime._location import (
     fallback_base,
     free_bytes,
     mount_fstype,
-    read_mountinfo,
 )
 from .._lifetime._owners import OWNER_ALIVE, OWNER_DEAD
 from .._lifetime._sweep import candidate_bases, find_folders, folder_size
@@ -117,22 +116,8 @@ def _physical_memory() -> int:
 
 
 def _fs_type(path: str) -> str:
-    """The file system type of the mount holding ``path``, from /proc/self/mounts."""
-    best, best_type = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
-            for line in mounts:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                point = parts[1].replace("\\040", " ")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, best_type = point, parts[2]
-    except OSError:
-        pass
-    return best_type
+    """The file system type of the mount holding ``path``, from the mount table; ``unknown`` without one."""
+    return mount_fstype(os.path.realpath(path), _procfs.mountinfo()) or "unknown"
 
 
 def _version(module_name: str) -> str:
@@ -449,7 +434,7 @@ def _report_settings(in_force: InForce, location: Location, say: Callable[[str],
     if sys.platform.startswith("linux"):
         say(f"  malloc: {malloc_in_use().describe()}")  # holding once needs glibc's
     verdict.problems.extend(in_force.problems)
-    fstype = mount_fstype(os.path.realpath(location.base), read_mountinfo())
+    fstype = mount_fstype(os.path.realpath(location.base), _procfs.mountinfo())
     note = disk_folder_message(location.base, fstype, location.chosen_by) if location.chosen_by else None
     if note is not None:
         verdict.notes.append(note[len("memshare: ") :])

@@ -62,7 +62,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import _forksafe
-from .._lifetime import _memfd
+from .._lifetime import _memfd, _procfs
 from .._lifetime._folders import ensure_private_dir
 from .._stats import logger
 
@@ -122,10 +122,10 @@ class Inbox:
                 if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
                     raise PermissionError(errno.EPERM, "not a private directory of this user", folder)
                 self._name = f"inbox-{secrets.token_hex(8)}.sock"
-                here = f"/proc/self/fd/{self._folder_fd}/{self._name}"
+                here = f"{_procfs.fd_path('self', self._folder_fd)}/{self._name}"
                 self._listener.bind(here)
                 os.chmod(here, 0o600)  # the folder is 0700 already: no window for another user
-                return f"/proc/{self.owner}/fd/{self._folder_fd}/{self._name}"
+                return f"{_procfs.fd_path(self.owner, self._folder_fd)}/{self._name}"
             except OSError as exc:
                 if self._folder_fd >= 0:
                     _unlink_socket(self._folder_fd, self._name)

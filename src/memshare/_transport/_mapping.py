@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import _forksafe
 from .._compat import set_memmap_owner
-from .._lifetime import _memfd
+from .._lifetime import _memfd, _procfs
 from ._refs import USER, ArrayRef, MappedFile, is_file, kind_of_path, note_mapped_file
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
@@ -91,11 +91,8 @@ _MAP_MODES = {
 
 def _map_count_limit() -> int:
     """The kernel's limit of mappings per process (``vm.max_map_count``); its default where unknown."""
-    try:
-        with open("/proc/sys/vm/max_map_count", "rb") as limit:
-            return int(limit.read())
-    except (OSError, ValueError):
-        return 65530
+    limit = _procfs.max_map_count()
+    return 65530 if limit is None else limit
 
 
 #: Most mappings a process's cache keeps: an eighth of ``vm.max_map_count`` (read once; the

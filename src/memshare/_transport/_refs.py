@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .._lifetime import _memfd
+from .._lifetime import _memfd, _procfs
 from .._lifetime._owners import parse_folder_name
 from ._identity import IdentityTable
 
@@ -361,7 +361,7 @@ def _still_maps(root: np.ndarray, path: Optional[str]) -> bool:
     """
     if path is None:
         return False
-    if kind_of_path(path) != USER or not sys.platform.startswith("linux") or not os.path.exists("/proc/self/maps"):
+    if kind_of_path(path) != USER or not sys.platform.startswith("linux") or not os.path.exists(_procfs.MAPS):
         return True  # memshare's own files (memfds among them) are never replaced under a mapping
     same = _maps_same_file(_owner(root), path)
     if same is not None:
@@ -430,26 +430,23 @@ def _locate_mapping(start: int, end: int) -> Optional[Tuple[str, int, bool]]:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        with open("/proc/self/maps", "rb") as maps:
-            lines = maps.read().splitlines()
+        mappings = _procfs.mappings()
     except OSError:
         return None
     found: Optional[Tuple[str, int, bool]] = None
     reached = start  # the first address not yet covered
-    for line in lines:
-        fields = line.split(None, 5)
-        if len(fields) < 6:
+    for low, high, permissions, file_offset, _, _, path in mappings:
+        if path is None:
             continue
-        low, high = (int(x, 16) for x in fields[0].split(b"-"))
         if high <= reached:
             continue
         if low > reached:
             return None  # a hole, or the range starts outside any mapping
-        path = fields[5].strip()
+        path = path.strip()
         if not path.startswith(b"/") or path.endswith(b" (deleted)"):
             return None
-        offset = int(fields[2], 16) + reached - low
-        private = fields[1].endswith(b"p")
+        offset = file_offset + reached - low
+        private = permissions.endswith(b"p")
         if found is None:
             found = (os.fsdecode(path), offset, private)
         elif os.fsdecode(path) != found[0] or offset != found[1] + reached - start:

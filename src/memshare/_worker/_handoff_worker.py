@@ -22,7 +22,7 @@ except ImportError:  # not a Unix: no descriptor limit to read, and no memfds ei
     resource = None  # type: ignore[assignment]
 
 from .._errors import SharedMemoryFullError
-from .._lifetime import _memfd
+from .._lifetime import _memfd, _procfs
 from .._stats import logger
 from .._transport import _handoff
 from .._transport._handoff import Identity
@@ -260,7 +260,7 @@ def _free_descriptors() -> Optional[int]:
     if soft == resource.RLIM_INFINITY:
         return None
     try:
-        open_now = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor is gone again
+        open_now = len(_procfs.descriptors()) - 1  # listdir's own descriptor is gone again
     except OSError:
         return None
     return soft - open_now
