@@ -1,14 +1,17 @@
+import logging
 import os
 import re
 import tempfile
 
 import numpy as np
 import pytest
+from conftest import run_script
 from joblib.disk import memstr_to_bytes
 
 import memshare
 from memshare import delayed
-from memshare._config import Settings, check_mmap_mode, parse_max_nbytes
+from memshare._config import Settings, check_mmap_mode, env_flag, parse_max_nbytes
+from memshare._lifetime import _memfd
 from memshare._lifetime._location import SHM_ROOT, default_base
 from memshare._parent._session import Session
 
@@ -161,3 +164,43 @@ def test_tilde_is_expanded_in_the_argument_and_both_variables(tmp_path, monkeypa
     finally:
         session.close()
     assert not (tmp_path / "~").exists()
+
+
+FLAGS = ["MEMSHARE_MEMFD", "MEMSHARE_PROMOTE", "MEMSHARE_DEBUG"]
+
+
+@pytest.mark.parametrize("value, expected", [(" 1 ", True), ("TRUE", True), ("yes", True), ("On", True)])
+@pytest.mark.parametrize("variable", FLAGS)
+def test_every_yes_no_variable_takes_the_same_words(monkeypatch, variable, value, expected):
+    for default in (True, False):
+        monkeypatch.setenv(variable, value)
+        assert env_flag(variable, default) is expected
+        monkeypatch.setenv(variable, {" 1 ": "0", "TRUE": "false", "yes": "No", "On": " OFF"}[value])
+        assert env_flag(variable, default) is not expected
+        monkeypatch.setenv(variable, "")
+        assert env_flag(variable, default) is default
+        monkeypatch.delenv(variable)
+        assert env_flag(variable, default) is default
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "-1", "y"])
+@pytest.mark.parametrize("variable", FLAGS)
+def test_a_yes_no_variable_refuses_any_other_word(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}='{re.escape(value)}' is not understood: set it to 1"):
+        env_flag(variable, True)
+
+
+def test_memshare_memfd_and_debug_read_that_grammar(monkeypatch):
+    """MEMSHARE_MEMFD took any word but 0, no, false, off as yes; MEMSHARE_DEBUG any word but 0 (even "false")."""
+    monkeypatch.setenv("MEMSHARE_MEMFD", "maybe")
+    with pytest.raises(ValueError, match="MEMSHARE_MEMFD='maybe'"):
+        _memfd._probe()
+    monkeypatch.setenv("MEMSHARE_MEMFD", "Off")
+    assert _memfd._probe() == (False, "MEMSHARE_MEMFD=off turns memfds off")
+    for value, logs in [("false", False), ("yes", True)]:
+        code = "import logging, memshare; print(logging.getLogger('memshare').level)"
+        out = run_script(code, env={"MEMSHARE_DEBUG": value}).stdout.strip()
+        assert (out == str(logging.DEBUG)) is logs, (value, out)
+    failed = run_script("import memshare", env={"MEMSHARE_DEBUG": "2"}, check=False)
+    assert failed.returncode != 0 and "MEMSHARE_DEBUG='2' is not understood" in failed.stderr

@@ -29,6 +29,33 @@ ENV_TEMP_FOLDER = "MEMSHARE_TEMP_FOLDER"
 ENV_JOBLIB_TEMP_FOLDER = "JOBLIB_TEMP_FOLDER"
 #: Environment variable turning arrays held once off ("0") or on ("1", the default).
 ENV_PROMOTE = "MEMSHARE_PROMOTE"
+#: Environment variable turning the decision log on ("1") or off ("0", the default).
+ENV_DEBUG = "MEMSHARE_DEBUG"
+#: The words of a yes/no environment variable (``env_flag``), any case.
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
+def env_flag(variable: str, default: bool) -> bool:
+    """The yes/no environment variable ``variable``: ``default`` when it is unset or empty.
+
+    The one grammar of ``MEMSHARE_MEMFD``, ``MEMSHARE_PROMOTE`` and
+    ``MEMSHARE_DEBUG``: ``1``, ``true``, ``yes``, ``on`` or ``0``,
+    ``false``, ``no``, ``off``, in any case, spaces around allowed (every
+    word one of them took). Anything else is a ValueError naming the
+    variable and the words, rather than a guess.
+    """
+    text = os.environ.get(variable, "").strip().lower()
+    if not text:
+        return default
+    if text in _YES:
+        return True
+    if text in _NO:
+        return False
+    raise ValueError(
+        f"{variable}={os.environ[variable]!r} is not understood: set it to 1 (or true, yes, on) or 0 "
+        "(or false, no, off), or leave it empty for the default"
+    )
 
 
 def parse_max_nbytes(value: Union[int, float, str, None]) -> Optional[int]:
@@ -181,12 +208,7 @@ def disk_folder_message(folder: str, fstype: Optional[str], why: str) -> Optiona
 def check_promote(value: object) -> bool:
     """The ``promote`` setting: the argument when given, else ``$MEMSHARE_PROMOTE``, else True."""
     if value is None:
-        text = os.environ.get(ENV_PROMOTE, "").strip().lower()
-        if text in ("", "1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{ENV_PROMOTE}={text!r} is not understood: set it to 1 (hold arrays once) or 0 (never)")
+        return env_flag(ENV_PROMOTE, True)
     if not isinstance(value, bool):
         raise TypeError(f"promote must be True, False or None (from ${ENV_PROMOTE}), got {value!r}")
     return value

@@ -9,7 +9,6 @@ logged at INFO level when the session ends. ``MEMSHARE_DEBUG=1`` (or a
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from dataclasses import dataclass, field, fields
@@ -18,6 +17,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from . import _forksafe
+from ._config import ENV_DEBUG, env_flag
 
 logger = logging.getLogger("memshare")
 
@@ -162,7 +162,7 @@ def enable_logging(level: int = logging.DEBUG) -> None:
         logger.addHandler(handler)
 
 
-if os.environ.get("MEMSHARE_DEBUG", "").strip() not in ("", "0"):
+if env_flag(ENV_DEBUG, False):
     enable_logging()
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from .. import _forksafe
+from .._config import env_flag
 from .._stats import logger
 from . import _procfs
 
@@ -124,9 +125,8 @@ def _probe() -> Tuple[bool, str]:
     user; workers running as another user could not open the path, which
     the probe cannot foresee: ``MEMSHARE_MEMFD=0`` is for that case.
     """
-    switch = os.environ.get(ENV_MEMFD, "").strip().lower()
-    if switch in ("0", "no", "false", "off"):
-        return False, f"{ENV_MEMFD}={switch} turns memfds off"
+    if not env_flag(ENV_MEMFD, True):
+        return False, f"{ENV_MEMFD}={os.environ[ENV_MEMFD].strip().lower()} turns memfds off"
     if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         return False, "memfd_create is not available (Linux only, Python 3.8+)"
     if not os.path.isdir(_procfs.fd_folder(os.getpid())):
