@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import sys
 from typing import List, Optional, Tuple
 
@@ -73,17 +72,9 @@ def copy_then_remap(fd: int, file_offset: int, address: int, length: int) -> Non
     _remap.copy_then_remap(fd, file_offset, address, length)
 
 
-def write_range(fd: int, file_offset: int, address: int, length: int) -> None:
-    """Write memory ``[address, address + length)`` into ``fd`` at ``file_offset`` (no remapping)."""
-    data = (ctypes.c_char * length).from_address(address)
-    done = 0
-    while done < length:
-        done += os.pwrite(fd, memoryview(data)[done:], file_offset + done)
-
-
-def same_bytes(fd: int, file_offset: int, address: int, length: int) -> bool:
-    """True when memory ``[address, address + length)`` equals the file's bytes at ``file_offset``."""
-    return os.pread(fd, length, file_offset) == ctypes.string_at(address, length)
+def memory_at(address: int, length: int) -> np.ndarray:
+    """The bytes of memory ``[address, address + length)``, as a byte array over them (no copy)."""
+    return np.frombuffer((ctypes.c_char * length).from_address(address), dtype=np.uint8)
 
 
 def changed_pages(first_page: int, end: int) -> np.ndarray:

@@ -30,7 +30,8 @@ from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budg
 from .._lifetime._temp_folder import TempFolder
 from .._payload._routes import mode_unfit_reason
 from .._stats import HELD_ONCE, NOT_HELD_ONCE, CallStats, log_decision
-from .._transport._dumping import CHUNK_BYTES
+from .._transport._compare import same_bytes
+from .._transport._dumping import CHUNK_BYTES, write_range
 from .._transport._identity import IdentityTable
 from .._transport._refs import HELD, ArrayRef, data_address
 from . import _held_memory
@@ -153,7 +154,11 @@ class Held:
         fd = _open_for_reading(self.file.ref)
         try:
             offset = self.file.ref.offset - self.address
-            return all(_held_memory.same_bytes(fd, offset + start, start, length) for start, length in edges)
+            for start, length in edges:
+                stored = np.frombuffer(os.pread(fd, length, offset + start), np.uint8)
+                if not same_bytes(_held_memory.memory_at(start, length), stored):
+                    return False
+            return True
         finally:
             os.close(fd)
 
@@ -325,7 +330,7 @@ class _Registry:
                 if remap:
                     _held_memory.copy_then_remap(fd, offset, start, length)
                 else:
-                    _held_memory.write_range(fd, offset, start, length)
+                    write_range(fd, memoryview(_held_memory.memory_at(start, length)), offset)
             return ArrayRef.in_file(
                 path,
                 os.fstat(fd),

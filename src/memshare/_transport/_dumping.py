@@ -33,12 +33,15 @@ _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copie
 CHUNK_BYTES = 32 * 1024**2
 
 
-def write_range(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` at ``fd``'s current offset."""
+def write_range(fd: int, view: memoryview, offset: Optional[int] = None) -> None:
+    """Write all of the bytes ``view`` into ``fd``: at ``offset``, or at its current offset when None."""
     # write() may write less than asked (at most ~2 GiB per call on Linux).
     done = 0
     while done < len(view):
-        done += os.write(fd, view[done:])
+        if offset is None:
+            done += os.write(fd, view[done:])
+        else:
+            done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _bytes_of(contiguous: np.ndarray) -> memoryview:
