@@ -146,14 +146,22 @@ def check_mmap_mode(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-def check_temp_folder(value: object) -> Optional[str]:
+def check_temp_folder(value: object, hint: str = "") -> Optional[str]:
     """Return ``value`` as an absolute path string, or None for memshare's default.
 
     An empty path counts as unset (it would otherwise mean the current
     directory) and ``~`` is expanded, as for the environment variables.
+    A callable (joblib's folder resolver, or the standard pool's
+    initializer passed in its place: ``hint`` then says how to pass it) is
+    refused with a message of its own.
     """
     if value is None:
         return None
+    if callable(value):
+        raise TypeError(
+            f"temp_folder={value!r} is a callable, not a folder. {hint}"
+            "A folder resolver function is not supported: pass a path."
+        )
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"temp_folder={value!r} must be a path (str or os.PathLike) or None for the default.")
     path = os.fspath(value)

@@ -29,16 +29,16 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import cloudpickle
 
 from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
-from ._config import Settings
+from ._config import Settings, check_temp_folder
 from ._frontends._feed import TaskFeed, run_pool_task, set_pool_results
 from ._frontends._pool_args import (
+    TEMP_FOLDER_HINT,
     check_chunksize,
     check_context_id,
     check_max_nbytes,
     check_prewarm,
     check_processes,
     check_reducers,
-    check_temp_folder,
     check_verbose,
     resolve_context,
     worker_process,
@@ -133,7 +133,9 @@ class MemmappingPool(PoolWithHooks):
         promote: Optional[bool] = None,
     ) -> None:
         processes = check_processes(processes)
-        settings = Settings.from_user(check_max_nbytes(max_nbytes), mmap_mode, check_temp_folder(temp_folder), promote)
+        max_nbytes = check_max_nbytes(max_nbytes)
+        temp_folder = check_temp_folder(temp_folder, TEMP_FOLDER_HINT)
+        settings = Settings.from_user(max_nbytes, mmap_mode, temp_folder, promote)
         forward_reducers = check_reducers("forward_reducers", forward_reducers)
         backward_reducers = check_reducers("backward_reducers", backward_reducers)
         if check_verbose(verbose):

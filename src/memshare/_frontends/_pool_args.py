@@ -25,22 +25,15 @@ _ORDER_HINT = (
     "forward_reducers, backward_reducers, verbose, context_id, prewarm); pass multiprocessing.Pool's "
     "initializer, initargs, maxtasksperchild and context as keywords"
 )
+#: What a callable ``temp_folder`` is told (``_config.check_temp_folder``): most likely the standard
+#: pool's initializer, passed in joblib's position of the folder.
+TEMP_FOLDER_HINT = f"{_ORDER_HINT}, e.g. MemmappingPool(2, initializer=setup). "
 
 
 def check_processes(processes: Any) -> Optional[int]:
     if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
         raise ValueError(f"processes={processes!r}: pass a positive number of worker processes, or None for all CPUs")
     return processes
-
-
-def check_temp_folder(temp_folder: Any) -> Any:
-    """Reject a callable (the standard pool's initializer, or joblib's folder resolver)."""
-    if callable(temp_folder):
-        raise TypeError(
-            f"temp_folder={temp_folder!r} is a callable, not a folder. {_ORDER_HINT}, e.g. "
-            "MemmappingPool(2, initializer=setup). A folder resolver function is not supported: pass a path."
-        )
-    return temp_folder
 
 
 def check_max_nbytes(max_nbytes: Any) -> Any:
