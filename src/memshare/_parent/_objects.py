@@ -23,6 +23,7 @@ import numpy as np
 from .._compat import batched_calls
 from .._config import Settings
 from .._payload._broadcast import Broadcast
+from .._payload._main_functions import PLAIN_TYPES
 from .._payload._reducers import Reducers, Reduction, pack, with_objects
 from .._payload._routes import PICKLE, Route, buffer_route, object_candidate, object_route
 from .._transport._refs import ArrayRef
@@ -32,8 +33,6 @@ from ._dumps import DumpTable
 #: weighing (pickled) at most this much, so that objects made anew for each task are not kept for the call.
 _SMALL_OBJECTS = 256
 _SMALL_BYTES = 8 * 1024**2
-#: Argument types that are never candidates, looked up first (a set lookup): most tasks pass only these.
-_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
 #: What an array or buffer that would leave the stream weighs while an object is measured.
 _PLACEHOLDER: Reduction = (int, ())
 
@@ -109,7 +108,7 @@ class ObjectPacker:
             return []  # nothing leaves the task payloads
         candidates: List[Any] = []
         for argument in _with_parts(arguments):
-            if type(argument) in _PLAIN or isinstance(argument, Broadcast):
+            if type(argument) in PLAIN_TYPES or isinstance(argument, Broadcast):
                 continue
             if not object_candidate(argument, max_nbytes):
                 continue
@@ -286,7 +285,7 @@ def _with_parts(arguments: Iterable[Any], depth: int = 2) -> Iterator[Any]:
     """
     for argument in arguments:
         kind = type(argument)
-        if kind in _PLAIN:
+        if kind in PLAIN_TYPES:
             continue  # the common case of tiny tasks: nothing to look at
         yield argument
         if depth == 0:
@@ -309,20 +308,20 @@ def task_arguments(func: Any, args: tuple, kwargs: dict) -> List[Any]:
     if calls is not None:
         for _, call_args, call_kwargs in calls:
             for argument in call_args:
-                if type(argument) not in _PLAIN:
+                if type(argument) not in PLAIN_TYPES:
                     found.append(argument)
             if call_kwargs:
                 for argument in call_kwargs.values():
-                    if type(argument) not in _PLAIN:
+                    if type(argument) not in PLAIN_TYPES:
                         found.append(argument)
         return found
     arguments_of = getattr(func, "arguments_of", None)  # a chunk of a pool's map (``_feed.MapChunk``)
     if arguments_of is not None and len(args) == 1:
-        return [argument for argument in arguments_of(args[0]) if type(argument) not in _PLAIN]
+        return [argument for argument in arguments_of(args[0]) if type(argument) not in PLAIN_TYPES]
     for argument in args:
-        if type(argument) not in _PLAIN:
+        if type(argument) not in PLAIN_TYPES:
             found.append(argument)
     for argument in kwargs.values():
-        if type(argument) not in _PLAIN:
+        if type(argument) not in PLAIN_TYPES:
             found.append(argument)
     return found

@@ -60,8 +60,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 #: Start methods whose workers run the parent's main script when they start.
 _IMPORTING_METHODS = ("forkserver", "spawn")
-#: Literal constants and defaults that a worker recomputes identically: immutable values only.
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
+#: The plain types: immutable values holding no other object, which every pickler writes alike and a
+#: worker recomputes identically from a literal. Tasks whose arguments are all plain need no routing.
+PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
 #: Opcodes that read a global (a class body nested in the function reads through LOAD_NAME).
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
 _STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
@@ -460,9 +461,9 @@ def _same_literal(value: Any, literal: Any) -> bool:
         if len(value) != len(literal):
             return False
         if type(literal) is frozenset:
-            return value == literal and all(type(item) in _IMMUTABLE for item in value)
+            return value == literal and all(type(item) in PLAIN_TYPES for item in value)
         return all(_same_literal(item, other) for item, other in zip(value, literal))
-    if type(literal) not in _IMMUTABLE:
+    if type(literal) not in PLAIN_TYPES:
         return False
     if type(literal) is float and literal != literal:  # nan: equal to nothing, but the same literal
         return value != value

@@ -59,7 +59,7 @@ from .._transport._mapping import array_from_ref
 from .._transport._protocol import ResultSpec, Slot
 from .._transport._refs import ArrayRef
 from ._broadcast import Broadcast
-from ._main_functions import MainFunction
+from ._main_functions import PLAIN_TYPES, MainFunction
 from ._polars import classes as polars_classes
 from ._polars import reduction as polars_reduction
 from ._torch import argument_array as torch_argument_array
@@ -326,10 +326,6 @@ def pack(
         return buffer.getvalue()
     header = pickle.dumps((placeholders, [placeholder for _, placeholder in objects]), protocol=5)
     return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header)), header, buffer.getbuffer()))
-
-
-#: Types that hold no array or buffer and pickle alike with the standard pickler and with memshare's.
-PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def plain_call(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
@@ -635,7 +631,6 @@ def pack_result(value: Any, policy: ResultSlots, reducers: Optional[Reducers] = 
 
 __all__ = [
     "LoadSlot",
-    "PLAIN_TYPES",
     "Reducers",
     "ReduceBuffer",
     "Reduction",

@@ -30,6 +30,7 @@ from .._transport._refs import (
     maps_privately,
     root_array,
 )
+from ._main_functions import PLAIN_TYPES
 
 # Arguments (input_route):
 #: In the stream, by value: small arrays, object dtypes, empty arrays.
@@ -280,10 +281,10 @@ def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:
     return Route(RESULT_FILE)
 
 
-#: Types whose instances are never argument objects of their own: scalars and text (pickled in
-#: place, at memcpy speed), arrays (routed one by one), and code (functions, classes, modules).
+#: Types whose instances are never argument objects of their own: the plain types, slices and ranges
+#: (pickled in place, at memcpy speed), arrays (routed one by one), and code (functions, classes, modules).
 _NEVER_OBJECTS = (
-    type(None), bool, int, float, complex, str, bytes, slice, range,
+    *PLAIN_TYPES, slice, range,
     np.ndarray, np.memmap, np.generic, np.dtype,
     type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
 )  # fmt: skip

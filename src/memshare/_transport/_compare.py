@@ -1,7 +1,8 @@
 """Bitwise comparison of data in memory with the shared file that should hold the same bytes.
 
 Used before a file written in an earlier call is sent again: an array's
-dump in a managed context (``_dumps``), a kept Arrow buffer (``_kept_buffers``).
+dump in a managed context (``_dumps``), a kept Arrow buffer (``_kept_buffers``),
+the partial first and last pages of an array held once (``_held_once``).
 Comparing runs at about 0.15 s/GiB on two threads (0.14-0.19 s measured for
 1 GiB of float64 on a 2-core machine; 0.17 s on one thread), less than half
 the cost of writing the data again (about 0.4 s).
