@@ -18,7 +18,7 @@ import os
 import secrets
 import stat
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Callable, Container, Optional, Tuple
 
 from .._config import ENV_TEMP_FOLDER, format_bytes
 from .._errors import SharedMemoryFullError
@@ -268,20 +268,7 @@ def _create_memfd(nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
         if exc.errno in _MEMFD_FALLBACK_ERRNOS:
             return None
         raise
-    try:
-        if nbytes > 0:
-            reserve(fd, 0, nbytes)
-    except OSError as exc:
-        os.close(fd)
-        _memfd.release(path)
-        if exc.errno in _MEMFD_FALLBACK_ERRNOS:
-            return None
-        raise
-    except BaseException:
-        os.close(fd)
-        _memfd.release(path)
-        raise
-    return path, fd
+    return _with_room(path, fd, nbytes, _memfd.release, _MEMFD_FALLBACK_ERRNOS)
 
 
 def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
@@ -289,14 +276,25 @@ def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[st
     ensure_private_dir(folder)
     path = os.path.join(folder, f"{prefix}-{secrets.token_hex(8)}.bin")
     fd = os.open(path, _FILE_FLAGS, 0o600)
+    return _with_room(path, fd, nbytes, os.unlink, NO_ROOM_ERRNOS)
+
+
+def _with_room(
+    path: str, fd: int, nbytes: int, discard: Callable[[str], Any], no_room: Container[int]
+) -> Optional[Tuple[str, int]]:
+    """The new file ``(path, fd)``, 0600 with ``nbytes`` reserved; None when an errno in ``no_room`` says it cannot be.
+
+    Any failure closes ``fd`` and discards the file (``discard(path)``:
+    unlink a named file, release a memfd) before it propagates.
+    """
     try:
         os.fchmod(fd, 0o600)
         if nbytes > 0:
             reserve(fd, 0, nbytes)
-    except OSError as exc:
+    except BaseException as exc:
         os.close(fd)
-        os.unlink(path)
-        if exc.errno in NO_ROOM_ERRNOS:
+        discard(path)
+        if isinstance(exc, OSError) and exc.errno in no_room:
             return None
         raise
     return path, fd
