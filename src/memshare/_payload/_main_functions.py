@@ -104,6 +104,10 @@ class MainFunction:
         return f"<memshare.MainFunction __main__.{self.__name__}>"
 
 
+#: A function a decision relies on, with its code, defaults and keyword defaults as they were.
+_Function = Tuple[types.FunctionType, types.CodeType, Any, Any]
+
+
 @dataclass(frozen=True)
 class _Decision:
     """A function found to go by name, and what must still hold for that: checked before each task."""
@@ -112,7 +116,7 @@ class _Decision:
     #: Each global read by the function (and the functions it reads), with its value then.
     names: Tuple[Tuple[str, Any], ...]
     #: Each function involved, with its code, defaults and keyword defaults then.
-    functions: Tuple[Tuple[types.FunctionType, types.CodeType, Any, Any], ...]
+    functions: Tuple[_Function, ...]
 
     def holds(self, main_globals: Dict[str, Any]) -> bool:
         for name, value in self.names:
@@ -203,30 +207,21 @@ class _Forked:
 
     def decide(self, func: types.FunctionType, main_globals: Dict[str, Any]) -> Optional[_Decision]:
         """The decision for ``func`` (see the module's docstring); None: by value."""
-        names: Dict[str, Any] = {}
-        functions: List[Tuple[types.FunctionType, types.CodeType, Any, Any]] = []
-        if not self._by_name(func, main_globals, names, functions, set()):
-            return None
-        return _Decision(MainFunction(func), tuple(names.items()), tuple(functions))
+        return _decision(func, lambda names, functions: self._by_name(func, main_globals, names, functions, set()))
 
     def _by_name(
         self,
         func: Any,
         main_globals: Dict[str, Any],
         names: Dict[str, Any],
-        functions: List[Tuple[types.FunctionType, types.CodeType, Any, Any]],
+        functions: List[_Function],
         seen: Set[str],
     ) -> bool:
         """Whether the workers' copy of ``func`` (and of every function it reads) is the parent's as it is now."""
         name = getattr(func, "__name__", None)
         then = self._functions.get(id(func))
         if (
-            type(func) is not types.FunctionType
-            or func.__module__ != "__main__"
-            or func.__qualname__ != name
-            or func.__closure__ is not None
-            or func.__dict__
-            or func.__globals__ is not main_globals
+            not _plain_def(func, main_globals)
             or main_globals.get(name) is not func
             or self._values.get(name) is not func
             or then is None
@@ -376,11 +371,9 @@ class _Script:
         bindings = self._load()
         if bindings is None:
             return None
-        names: Dict[str, Any] = {}
-        functions: List[Tuple[types.FunctionType, types.CodeType, Any, Any]] = []
-        if not self._by_name(func, main_globals, bindings, names, functions, set()):
-            return None
-        return _Decision(MainFunction(func), tuple(names.items()), tuple(functions))
+        return _decision(
+            func, lambda names, functions: self._by_name(func, main_globals, bindings, names, functions, set())
+        )
 
     def _by_name(
         self,
@@ -388,18 +381,13 @@ class _Script:
         main_globals: Dict[str, Any],
         bindings: _Bindings,
         names: Dict[str, Any],
-        functions: List[Tuple[types.FunctionType, types.CodeType, Any, Any]],
+        functions: List[_Function],
         seen: Set[str],
     ) -> bool:
         """Whether ``func`` (and every function of the file it reads) behaves in a worker as in the parent."""
         name = getattr(func, "__name__", None)
         if (
-            type(func) is not types.FunctionType
-            or func.__module__ != "__main__"
-            or func.__qualname__ != name
-            or func.__closure__ is not None
-            or func.__dict__
-            or func.__globals__ is not main_globals
+            not _plain_def(func, main_globals)
             or not bindings.once(name, bindings.defs)
             or main_globals.get(name) is not func
             or self._codes.get(name) != func.__code__
@@ -451,6 +439,35 @@ def _globals_of(code: types.CodeType) -> Tuple[Set[str], bool]:
                 assigns = True
         pending.extend(const for const in current.co_consts if isinstance(const, types.CodeType))
     return read, assigns
+
+
+def _decision(func: types.FunctionType, walk: Callable[[Dict[str, Any], List[_Function]], bool]) -> Optional[_Decision]:
+    """The decision to send ``func`` by name, if ``walk`` allows it; None: by value.
+
+    ``walk`` is a start method's check of ``func`` and of the functions it
+    reads, which fills in the globals and functions the decision relies on.
+    """
+    names: Dict[str, Any] = {}
+    functions: List[_Function] = []
+    if not walk(names, functions):
+        return None
+    return _Decision(MainFunction(func), tuple(names.items()), tuple(functions))
+
+
+def _plain_def(func: Any, main_globals: Dict[str, Any]) -> bool:
+    """True when ``func`` is a plain function defined at the top level of ``__main__`` (with ``main_globals``).
+
+    No closure and no attributes of its own, which a worker's copy of the
+    script would not have.
+    """
+    return (
+        type(func) is types.FunctionType
+        and func.__module__ == "__main__"
+        and func.__qualname__ == func.__name__
+        and func.__closure__ is None
+        and not func.__dict__
+        and func.__globals__ is main_globals
+    )
 
 
 def _same_literal(value: Any, literal: Any) -> bool:
