@@ -140,7 +140,10 @@ def test_empty_temp_folder_means_the_default_not_the_current_directory(tmp_path,
     assert default_base(Settings.from_user(temp_folder="").temp_folder)[0] in (SHM_ROOT, tempfile.gettempdir())
     data = np.ones(200_000)
     assert memshare.Parallel(n_jobs=2, temp_folder="")(delayed(len)(data) for _ in range(2)) == [200_000] * 2
-    assert memshare.last_call_stats()["arrays_dumped"] == 1 and os.listdir(tmp_path) == []
+    # Shared, and not under the current folder. Dumped or held once, as glibc served the array: from a mapping
+    # of its own in a fresh process, from the heap once earlier frees raised glibc's mmap threshold.
+    stats = memshare.last_call_stats()
+    assert stats["arrays_dumped"] + stats["arrays_held_once"] == 1 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("variable", [None, "MEMSHARE_TEMP_FOLDER", "JOBLIB_TEMP_FOLDER"])
