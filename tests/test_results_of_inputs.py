@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import array_fit_to_hold
+from memshare._worker._run._run import run_task
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -19,7 +20,6 @@ from memshare._parent import _held_once
 from memshare._parent._session import Session
 from memshare._transport._protocol import Outcome
 from memshare._transport._refs import DUMP, HELD, ArrayRef
-from memshare._worker._run import run_task
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -165,6 +165,35 @@ def test_results_viewing_an_argument_map_its_file_and_are_arrays_of_their_own(
     del x, results, held
     gc.collect()
     assert own_files() == before
+
+
+def write_then_return(x, i):
+    x[i] = -1.0 - i
+    return x
+
+
+@pytest.mark.parametrize("holding", ["held", "dumped"])
+def test_under_copy_on_write_an_argument_returned_unwritten_is_its_file_and_a_written_one_a_copy(
+    default_location, monkeypatch, holding
+):
+    # mmap_mode="c" maps the argument privately in the worker: its file is its content only while no page is written.
+    monkeypatch.setenv("MEMSHARE_PROMOTE", "1" if holding == "held" else "0")
+    x = make_x(holding)
+    original = x.copy()
+    returned = Parallel(n_jobs=2, batch_size=1, mmap_mode="c")(delayed(whole)(x) for _ in range(TASKS))
+    stats = memshare.last_call_stats()
+    assert stats["results_of_inputs"] == TASKS and stats["results_by_reference"] == 0, stats
+    assert len({mapping_at(r.ctypes.data)[0] for r in returned}) == 1
+    written = Parallel(n_jobs=2, batch_size=1, mmap_mode="c")(delayed(write_then_return)(x, i) for i in range(TASKS))
+    stats = memshare.last_call_stats()
+    assert stats["results_of_inputs"] == 0 and stats["results_by_reference"] == TASKS, stats
+    for i, result in enumerate(written):
+        expected = original.copy()
+        expected[i] = -1.0 - i
+        np.testing.assert_array_equal(result, expected)
+    returned[0][:] = 3.0
+    np.testing.assert_array_equal(x, original)
+    np.testing.assert_array_equal(returned[1], original)
 
 
 def test_a_task_error_leaves_nothing(mechanism):

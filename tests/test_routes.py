@@ -320,6 +320,25 @@ def test_large_views_of_a_dump_the_task_was_given_come_back_as_that_file(dump_me
     assert result_route(dump_memmap[::8], 512, never_owned, given=always_owned).kind == INPUT_FILE
 
 
+def test_a_copy_on_write_view_of_a_dump_the_task_was_given_comes_back_as_that_file_only_unwritten(dump_memmap):
+    # A torch argument is always mapped so, and NumPy's under mmap_mode="c": unwritten, its file is its content.
+    private = np.memmap(dump_memmap.filename, dtype=np.float64, mode="c")
+    asked = []
+
+    def unwritten(array):
+        asked.append(array)
+        return True
+
+    route = result_route(private[: LARGE // 2], LIMIT, never_owned, always_owned, unwritten)
+    assert route.kind == INPUT_FILE and route.ref.kind == DUMP and route.ref.mode == "c"
+    assert len(asked) == 1
+    assert result_route(private, LIMIT, never_owned, always_owned, lambda array: False).kind == RESULT_FILE
+    assert result_route(private, LIMIT, never_owned, never_owned, unwritten).kind == RESULT_FILE  # not given
+    assert result_route(private, LIMIT, never_owned, always_owned).kind == RESULT_FILE  # not known: copied
+    assert result_route(private[:4], LIMIT, never_owned, always_owned, unwritten).kind == BY_VALUE
+    del private
+
+
 def test_shared_arrays_are_handed_over_by_their_owner_and_referenced_by_others(shm_dir):
     shared = memshare.empty(LARGE)
     try:

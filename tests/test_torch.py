@@ -151,6 +151,90 @@ def test_large_tensor_results_come_back_as_tensors_through_shared_memory(shm_dir
     assert leaks(shm_dir) == []
 
 
+def whole(tensor):
+    return tensor
+
+
+def first_half(tensor):
+    return tensor[: tensor.shape[0] // 2]
+
+
+def strided_tail(tensor):
+    return tensor[tensor.shape[0] // 4 :: 3].T  # a tail, every third row, transposed
+
+
+RETURNS = {"whole": whole, "first half": first_half, "strided tail": strided_tail}
+
+
+def file_at(address: int) -> tuple:
+    """(inode, name, permissions) of this process's mapping that holds ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return int(fields[4]), (fields[5].strip() if len(fields) > 5 else ""), fields[1]
+    return 0, "", ""
+
+
+@pytest.mark.parametrize("view", list(RETURNS), ids=list(RETURNS))
+@pytest.mark.parametrize("holding", ["held", "dumped"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_task_returning_its_tensor_gives_back_its_file_mapped_copy_on_write(
+    default_location, monkeypatch, transport, holding, view
+):
+    monkeypatch.setenv("MEMSHARE_PROMOTE", "1" if holding == "held" else "0")
+    X = big_tensor()  # 64 MiB: a malloc chunk of its own, which can be held once
+    original = X.clone()
+    func = RETURNS[view]
+    expected = func(original)
+    results = run(transport, func, [(X,)] * TASKS)
+    stats = memshare.last_call_stats()
+    assert stats["results_of_inputs"] == TASKS, stats
+    assert stats["bytes_results_of_inputs"] == TASKS * expected.numel() * 4, stats
+    assert stats["results_by_reference"] == 0, stats  # no result file was made
+    assert [geometry(r) for r in results] == [geometry(expected)] * TASKS
+    assert all(torch.equal(r, expected) for r in results)
+    # Each result maps the argument's own file privately, one file for all: no copy.
+    files = [file_at(r.data_ptr()) for r in results]
+    assert len({inode for inode, _, _ in files}) == 1, files
+    kind = "held" if holding == "held" else "dump"
+    assert all(f"memshare-{kind}-" in name and perms.endswith("p") for _, name, perms in files), files
+    if holding == "held":
+        assert files[0][0] == file_at(X.data_ptr() + 2 * os.sysconf("SC_PAGESIZE"))[0]  # X's whole pages map it
+    # Copy-on-write: a write into a result reaches neither the parent's tensor nor another result...
+    results[0].fill_(-1.0)
+    assert torch.equal(X, original) and torch.equal(results[1], expected)
+    # ...and a later write into the parent's tensor reaches no result.
+    X.fill_(-2.0)
+    assert all(torch.equal(r, expected) for r in results[1:])
+    del X, results
+    gc.collect()
+    assert memfds_held() == []
+
+
+def write_then_return(tensor, index: int):
+    tensor[index] = -1.0 - index
+    return tensor
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_task_returning_its_tensor_after_writing_into_it_gives_back_what_it_wrote(default_location, transport):
+    X = big_tensor()
+    original = X.clone()
+    results = run(transport, write_then_return, [(X, i) for i in range(TASKS)])
+    stats = memshare.last_call_stats()
+    assert stats["results_of_inputs"] == 0 and stats["results_by_reference"] == TASKS, stats
+    for i, result in enumerate(results):
+        expected = original.clone()
+        expected[i] = -1.0 - i
+        assert torch.equal(result, expected), i
+    assert torch.equal(X, original)
+    del X, results
+    gc.collect()
+    assert memfds_held() == []
+
+
 def summary(tensor) -> tuple:
     """Kind, dtype, shape, grad, layout, conjugate bit and values of any tensor, as torch's pickle keeps them."""
     dense = tensor.detach().to_dense() if tensor.layout != torch.strided else tensor.detach()

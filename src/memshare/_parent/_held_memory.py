@@ -20,6 +20,7 @@ import numpy as np
 
 from .._compat import gil_enabled
 from .._lifetime import _procfs
+from .._transport._refs import data_address, root_array
 from . import _malloc
 
 try:
@@ -89,6 +90,28 @@ def changed_pages(first_page: int, end: int) -> np.ndarray:
     written = ((entries & _PM_PRESENT) != 0) & ((entries & _PM_FILE) == 0)
     written |= (entries & _PM_SWAPPED) != 0
     return np.flatnonzero(written)
+
+
+def copy_on_write_unwritten(array: np.ndarray) -> bool:
+    """True when no page of the copy-on-write mapping behind ``array`` is private to this process.
+
+    Asked of ``/proc/self/pagemap`` for the whole mapping (not just the
+    view's pages: simpler, and a written page anywhere is rare). A page is
+    private once written, and only then can it differ from the file. False
+    when the page flags cannot be read. The parent asks it of a
+    copy-on-write argument, a worker of a copy-on-write result viewing a
+    file its task was given. A write made after this answer races with the
+    readers of the file, as any write to an argument while tasks read it
+    does, or a write to a result by a thread the task left running.
+    """
+    root = root_array(array)
+    start = data_address(root)
+    first_page = start // PAGE * PAGE
+    end = -(-(start + root.nbytes) // PAGE) * PAGE
+    try:
+        return changed_pages(first_page, end).size == 0
+    except OSError:
+        return False
 
 
 def runs(indexes: np.ndarray) -> List[Tuple[int, int]]:

@@ -42,11 +42,11 @@ from .._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_de
 from .._transport._handoff import Inbox
 from .._transport._identity import IdentityTable
 from .._transport._protocol import Outcome, ResultSpec, Task
-from .._transport._refs import RESULT, SHARED, ArrayRef, data_address, root_array
+from .._transport._refs import RESULT, SHARED, ArrayRef, data_address
 from . import _held_once
 from ._adopt import restore, restore_with_memfds
 from ._dumps import DumpTable
-from ._held_memory import PAGE, changed_pages
+from ._held_memory import copy_on_write_unwritten
 from ._kept_buffers import KeptIn
 from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments
@@ -426,26 +426,6 @@ class Session:
         # Measured after the folder went: what outlives the call (set, not added: a session closes once).
         self.stats.bytes_in_shared_memory = held_bytes()
         record_finished(self.stats)
-
-
-def copy_on_write_unwritten(array: np.ndarray) -> bool:
-    """True when no page of the copy-on-write memmap behind ``array`` is private to this process.
-
-    Asked of ``/proc/self/pagemap`` for the whole mapping of the memmap
-    (not just the view's pages: simpler, and a written page anywhere is
-    rare). A page is private once written, and only then can it differ
-    from the file. False when the page flags cannot be read. A write made
-    after this answer races with the tasks, as any write to an argument
-    while tasks read it does.
-    """
-    root = root_array(array)
-    start = data_address(root)
-    first_page = start // PAGE * PAGE
-    end = -(-(start + root.nbytes) // PAGE) * PAGE
-    try:
-        return changed_pages(first_page, end).size == 0
-    except OSError:
-        return False
 
 
 def _buffer_address(view: memoryview) -> int:

@@ -63,7 +63,8 @@ RESULT_FILE = "result-file"
 #: Small arrays, object dtypes, empty arrays: in the stream.
 BY_VALUE = "by-value"
 #: A large view of a file the parent gave this task and no worker writes (its dump, or an array held
-#: once, mapped read-only): the parent maps that file copy-on-write; no copy, no new file.
+#: once, mapped read-only, or copy-on-write with no page written): the parent maps that file
+#: copy-on-write; no copy, no new file.
 INPUT_FILE = "input-file"
 #: A result comes back as its argument's file only while that file is at most this many times the
 #: result's size: the result keeps the whole file alive (a dump past the call's end, say).
@@ -240,6 +241,7 @@ def result_route(
     max_nbytes: Optional[int],
     owned_here: Callable[[ArrayRef], bool],
     given: Callable[[ArrayRef], bool] = lambda ref: False,
+    copy_on_write_unwritten: Optional[Callable[[np.ndarray], bool]] = None,
 ) -> Route:
     """How a worker's return value travels back to the parent.
 
@@ -250,7 +252,11 @@ def result_route(
     restored, and maps it copy-on-write. Such a view comes back as that
     file when it would otherwise be a result file and is at least a
     ``FILE_PER_RESULT``-th of the file (the worker maps the whole file, the
-    root of the view's chain of bases).
+    root of the view's chain of bases). A view of such a file mapped
+    copy-on-write (a torch argument always is; NumPy's under
+    ``mmap_mode="c"``) does too while ``copy_on_write_unwritten`` finds none
+    of its pages written in this process (None: not known, so it is
+    copied): only then is the file its content.
     """
     if array.dtype.hasobject or array.nbytes == 0:
         return Route(BY_VALUE)
@@ -260,9 +266,15 @@ def result_route(
     if ref is not None and ref.kind in (USER, SHARED):
         return Route(REFERENCE, ref=ref)
     copied = copied_route(array, max_nbytes)
-    if ref is not None and ref.kind in (DUMP, HELD) and copied.kind == RESULT_FILE and given(ref):
-        if FILE_PER_RESULT * array.nbytes >= root_array(array).nbytes:
+    if copied.kind != RESULT_FILE or FILE_PER_RESULT * array.nbytes < root_array(array).nbytes:
+        return copied
+    if ref is None and copy_on_write_unwritten is not None and maps_privately(array):
+        ref = find_backing(array, copy_on_write=True)  # checked unwritten below, once known to be given
+        if ref is not None and ref.kind in (DUMP, HELD) and given(ref) and copy_on_write_unwritten(array):
             return Route(INPUT_FILE, ref=ref)
+        return copied
+    if ref is not None and ref.kind in (DUMP, HELD) and given(ref):
+        return Route(INPUT_FILE, ref=ref)
     # A view of another dump (kept from an earlier task, or another process's)
     # or of anything else comes back as independent memory: that dump may be
     # deleted before the outcome is restored.

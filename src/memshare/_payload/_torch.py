@@ -7,7 +7,10 @@ shares the memory), so it can take the road of an array: held once, dumped
 once per call or sent as a reference, and rebuilt with
 ``torch.from_numpy`` over the receiver's mapping, with the tensor's dtype,
 shape and strides. A result comes back through a result file as a tensor
-over the parent's mapping. The byte array of a storage is vouched for
+over the parent's mapping; a task that returns its argument tensor, or a
+view of it, unwritten, gives back the argument's own file, which the parent
+maps copy-on-write (``_Received``, ``_routes.INPUT_FILE``): no copy. The
+byte array of a storage is vouched for
 (``_held_once.vouch``): held once when its memory is a malloc chunk of its
 own, as torch's allocator gives large tensors.
 
@@ -179,10 +182,94 @@ def argument_array(tensor: Any) -> Optional[np.ndarray]:
         return None
 
 
+class _Received:
+    """The file mappings that received tensors were rebuilt over, by the address and size of their storage.
+
+    A tensor made by :func:`from_array` over a mapping of a file (an
+    argument's dump or held file, mapped copy-on-write) no longer names
+    that mapping: ``Tensor.numpy()`` gives an array whose base is the
+    tensor. A task that returns such a tensor, or a view of it, would then
+    have its memory copied into a result file. This table gives the result
+    back its mapping, so that it can come back as that file
+    (``_routes.INPUT_FILE``) when no page of it was written.
+
+    Per process because tensors are rebuilt by the unpickler, which knows
+    no task or call. An entry goes when the array it names is collected,
+    which is when the last tensor over it is (``torch.from_numpy`` keeps
+    the array); it never keeps anything alive. Valid as it is in a forked
+    child, whose mappings are the parent's, copied.
+    """
+
+    def __init__(self) -> None:
+        self._lock = _forksafe.lock()
+        self._arrays: Dict[Tuple[int, int], weakref.ref] = {}  # (address, nbytes) of a storage -> its array
+
+    def note(self, tensor: Any, array: np.ndarray) -> None:
+        """``tensor`` was made over ``array``, a view of a file mapping, by ``torch.from_numpy``."""
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+
+        def collected(ref: weakref.ref) -> None:
+            with self._lock:
+                if self._arrays.get(key) is ref:
+                    del self._arrays[key]
+
+        with self._lock:
+            self._arrays[key] = weakref.ref(array, collected)
+
+    def mapping_view(self, tensor: Any) -> Optional[np.ndarray]:
+        """A NumPy view with ``tensor``'s geometry over the file mapping its storage was made over, or None."""
+        storage = tensor.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            ref = self._arrays.get((address, nbytes))
+        array = ref() if ref is not None else None
+        if array is None:
+            return None
+        whole = _whole_mapping(array)
+        if whole is None:
+            return None
+        start = whole.__array_interface__["data"][0]
+        dtype = _numpy_dtype(tensor)
+        itemsize = dtype.itemsize
+        # The storage lies inside the mapping while the array lives: it is the array's own memory.
+        if not (start <= address and address + nbytes <= start + whole.nbytes):
+            return None
+        return np.ndarray(
+            shape=tuple(tensor.shape),
+            dtype=dtype,
+            buffer=whole,
+            offset=tensor.data_ptr() - start,
+            strides=tuple(stride * itemsize for stride in tensor.stride()),
+        )
+
+
+def _whole_mapping(array: np.ndarray) -> Optional[np.memmap]:
+    """The outermost ``np.memmap`` of ``array``'s chain of bases, when it is contiguous: the whole mapping."""
+    whole = None
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap) and array.flags.c_contiguous:
+            whole = array
+        array = array.base
+    return whole
+
+
+# Per process: see _Received.
+_received = _Received()
+
+
 def result_array(tensor: Any) -> Optional[np.ndarray]:
-    """The array a result ``tensor`` travels as, or None: torch pickles it."""
+    """The array a result ``tensor`` travels as, or None: torch pickles it.
+
+    A tensor over a file mapping it was received with is a view of that
+    mapping (see :class:`_Received`), so that its route can find the file;
+    any other is ``Tensor.numpy()``.
+    """
     try:
-        return None if unfit_reason(tensor) is not None else tensor.numpy()
+        if unfit_reason(tensor) is not None:
+            return None
+        view = _received.mapping_view(tensor)
+        return view if view is not None else tensor.numpy()
     except Exception:  # as argument_array
         return None
 
@@ -209,7 +296,9 @@ def from_array(array: np.ndarray, strides: Tuple[int, ...]) -> Any:
     if tuple(tensor.stride()) != tuple(strides) and tensor.numel() > 1:
         strided = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype)
         strided.copy_(tensor)
-        tensor = strided
+        return strided
+    if isinstance(array, np.memmap):
+        _received.note(tensor, array)  # returned, it may come back as its file: see _Received
     return tensor
 
 

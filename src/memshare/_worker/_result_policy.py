@@ -18,6 +18,7 @@ from typing import AbstractSet, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lifetime._folders import FolderPair
+from .._parent._held_memory import copy_on_write_unwritten
 from .._payload._routes import (
     HAND_OVER,
     INPUT_FILE,
@@ -127,7 +128,7 @@ class ResultPolicy:
         slot = self._slot_by_id.get(id(array))
         if slot is not None:
             return slot
-        route = result_route(array, self.spec.max_nbytes, _owned_here, self._was_given)
+        route = result_route(array, self.spec.max_nbytes, _owned_here, self._was_given, copy_on_write_unwritten)
         if route.kind == HAND_OVER:
             handed = self._handover.hand_over(route.ref)
             if handed is not None:
