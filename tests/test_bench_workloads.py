@@ -156,3 +156,54 @@ def test_a_workload_with_none_of_the_chosen_contenders_says_so():
     report = run_benchmark("p", ["memshare", "joblib"], size=MiB, repeats=1, quick=True, progress=False)
     assert report.measurements == []
     assert any(n.startswith("(p) not run: none of its contenders") for n in report.notes), report.notes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "q",
+        pytest.param(
+            "r",
+            marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="(r) needs torch"),
+        ),
+    ],
+)
+def test_tasks_returning_their_input_have_their_rows_and_memshare_maps_the_inputs_file(key):
+    """(q), (r): every contender has a correct row; memshare's results are its input's file, never a result file."""
+    report = _run(key)
+    table = markdown_table(report)
+    workload = make_workloads()[key]
+    assert {"memshare", "memshare-copy", "joblib", "mp.Pool"} <= set(workload.contenders)
+    for contender in workload.contenders:
+        assert f"| ({key}) | {contender} |" in table, table
+    assert {m.contender for m in report.measurements} == set(workload.contenders)
+    assert all(m.correct for m in report.measurements), report.notes
+    for m in report.measurements:
+        if m.contender.startswith("memshare"):
+            # Tasks of one joblib batch returning the same X send it once: a result slot per batch, not per task.
+            assert m.stats["results_of_inputs"] >= 1 and m.stats["results_by_reference"] == 0, m.stats
+            assert re.search(rf"- \({key}\) {m.contender} n_jobs=2: .*results_of_inputs=\d+", table)
+
+
+def test_the_torch_workload_is_skipped_with_a_reason_without_torch(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name))
+    assert "needs torch" in make_workloads()["r"].skip_reason()
+    assert make_workloads()["q"].skip_reason() is None
+    monkeypatch.setattr(harness, "ContenderProcess", lambda name: pytest.fail("must not start a process"))
+    report = run_benchmark("r", CONTENDERS, size=MiB, repeats=1, quick=True, progress=False)
+    assert report.measurements == []
+    assert any(n.startswith("(r) skipped: needs torch") for n in report.notes), report.notes
+
+
+def test_memory_guard_counts_every_returned_copy():
+    """(q), (r): each contender process holds X; joblib and mp.Pool get each of the 8 results back whole."""
+    size = 64 * MiB
+    contenders = make_workloads()["q"].contenders
+    for key in "qr":
+        assert machine.estimate_peak(key, CONTENDERS, size) == (size * (len(contenders) + 10), key, len(contenders))
+    only_memshare = machine.estimate_peak("q", ["memshare", "memshare-copy"], size)
+    assert only_memshare == (size * 3, "q", 2)
+    with pytest.raises(machine.TooLargeError, match=r"workload \(q\)"):
+        machine.check_fits("q", CONTENDERS, size, available=10 * size)

@@ -7,7 +7,8 @@ dependencies (matplotlib for ``--plot`` and the default run's picture,
 scikit-learn for workload g) come with the ``bench`` extra: what ``--plot`` and
 workload g need is checked before anything runs; without matplotlib the run
 writes no picture and says how to get one. Workloads j, k and m need pandas and
-pyarrow, and are skipped (with a note saying so) where they are missing.
+pyarrow, and r needs torch: each is skipped (with a note saying so) where they
+are missing.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Optional, Sequence
 
 _DEFAULT_BYTES = 256 * 1024**2
 # Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop, a string[pyarrow]
-# DataFrame (j) and a second call over it (n), a large dict (l) and the pools on small items (p). The shared
+# DataFrame (j) and a second call over it (n), a large dict (l), the pools on small items (p) and tasks that
+# return their input, an array (q) and a torch tensor (r, where torch is installed). The shared
 # array in a loop (f, which (i) covers), GridSearchCV (g), the n_jobs sweep (h), and the Arrow variants (k: Arrow
 # dtypes from Parquet, m: Arrow results) take longer or repeat what the others show: ask for them with --workloads.
-DEFAULT_WORKLOADS = "abcdeijlnp"
+DEFAULT_WORKLOADS = "abcdeijlnpqr"
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare bench") -> int:

@@ -29,7 +29,7 @@ from .runners import CONTENDERS, LIMIT_PARTS, PICKLING
 from .workloads import Workload, make_workloads
 
 QUICK_SIZE = 8 * MiB
-DEFAULT_WORKLOADS = "abcdefghijklmnp"
+DEFAULT_WORKLOADS = "abcdefghijklmnpqr"
 
 
 def run_benchmark(
@@ -43,7 +43,7 @@ def run_benchmark(
     progress: bool = True,
     memory_mode: str = "tree",
 ) -> Report:
-    """Run the chosen workloads (keys ``a``-``n``, ``p``) for each contender ``repeats`` times, interleaved.
+    """Run the chosen workloads (keys ``a``-``n``, ``p``-``r``) for each contender ``repeats`` times, interleaved.
 
     Each contender runs each workload in a process of its own (:class:`ContenderProcess`), started before the
     workload's first run and ended after its last, so that no contender can bias another; memory is sampled
@@ -209,7 +209,8 @@ def build_parser(
         "--workloads",
         default=default_workloads,
         help=f"workload keys among {DEFAULT_WORKLOADS}, listed with the results (default {default_workloads}: "
-        f"{every}; g needs scikit-learn; j, k and m need pandas and pyarrow, and are skipped without them)",
+        f"{every}; g needs scikit-learn; j, k and m need pandas and pyarrow, r needs torch, and are skipped "
+        "without them)",
     )
     parser.add_argument(
         "--contenders",

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .runners import LIMIT_PARTS, PICKLING
 from .workloads import make_workloads
+from .workloads_returns import RETURN_TASKS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -122,6 +123,8 @@ def copies_factor(key: str, contender: str) -> float:
     the results and, after the first run, the expected ones. joblib pickles a
     DataFrame (j, k) into every task, and each worker unpickles its own copy:
     a few times the frame at once. In (l) each worker unpickles its own dict.
+    In (q) and (r) each task's result is ``X``: copied back once per task
+    except by memshare (which maps ``X``'s file) and serial.
     """
     if key in ("d", "p"):
         return 0
@@ -133,6 +136,9 @@ def copies_factor(key: str, contender: str) -> float:
         return 4 if contender == "joblib" else 1
     if key == "l":
         return 0.5
+    if key in ("q", "r"):
+        # X is dumped (or, for mp.Pool, pickled into the tasks in flight), and every result comes back whole.
+        return 1 if contender.startswith("memshare") or contender == "serial" else 2 + RETURN_TASKS
     return 1
 
 

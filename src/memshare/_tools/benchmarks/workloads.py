@@ -14,13 +14,15 @@ the harness skips them when that would exceed a budget.
 
 The array workloads (a-i) are defined here; the data of those on other
 objects, pandas DataFrames backed by Arrow (j, k, m; skipped without pandas
-and pyarrow) and a large dict (l), comes from ``workloads_data``, and the
-process pools on small items (p) from ``workloads_pool``. :func:`make_workloads`
-declares them all. A workload with ``operations`` (the pools) is timed once
-per operation, each in a session of its own (``custom_session``); the
-operations it lists in ``fresh_process`` are timed in a new contender process
-at every repeat, so that nothing the first pool of a process started (a fork
-server, imported modules) serves the next one.
+and pyarrow) and a large dict (l), comes from ``workloads_data``, the process
+pools on small items (p) from ``workloads_pool``, and the tasks that return
+their input, an array (q) or a torch tensor (r; skipped without torch), from
+``workloads_returns``. :func:`make_workloads` declares them all. A workload
+with ``operations`` (the pools) is timed once per operation, each in a session
+of its own (``custom_session``); the operations it lists in ``fresh_process``
+are timed in a new contender process at every repeat, so that nothing the
+first pool of a process started (a fork server, imported modules) serves the
+next one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ if __package__:
         warm_strings,
     )
     from .workloads_pool import POOL_OPERATIONS, POOL_START_ITEMS, pool_counts, pool_session, pool_start_method
+    from .workloads_returns import (
+        RETURN_TASKS,
+        return_tasks,
+        returned_pickled_bytes,
+        tensor_data,
+        tensors_equal,
+        torch_skip,
+        warm_torch,
+    )
 else:
     from runners import BASE_CONTENDERS, LIMIT_PARTS, PICKLING, POOL_CONTENDERS, Task, limit_part, runner, warm_backend
     from workloads_data import (
@@ -73,6 +84,15 @@ else:
         warm_strings,
     )
     from workloads_pool import POOL_OPERATIONS, POOL_START_ITEMS, pool_counts, pool_session, pool_start_method
+    from workloads_returns import (
+        RETURN_TASKS,
+        return_tasks,
+        returned_pickled_bytes,
+        tensor_data,
+        tensors_equal,
+        torch_skip,
+        warm_torch,
+    )
 
 # memshare.last_call_stats() keys reported by default, and for data that is not an array (buffers, objects, payloads).
 STAT_KEYS: Tuple[str, ...] = (
@@ -82,6 +102,7 @@ STAT_KEYS: Tuple[str, ...] = (
     "bytes_refreshed",
     "arrays_referenced",
     "results_by_reference",
+    "results_of_inputs",
     "arrays_pickled",
 )
 OBJECT_STAT_KEYS: Tuple[str, ...] = (
@@ -324,7 +345,7 @@ def _tiny(size: int, quick: bool) -> int:
 
 
 def make_workloads() -> Dict[str, Workload]:
-    """All workloads by key (a-n and p)."""
+    """All workloads by key (a-n, p, q and r)."""
     arrow_strings = Workload(
         "j",
         f"Arrow strings: a DataFrame with one string[pyarrow] column of about the size, passed to "
@@ -336,6 +357,16 @@ def make_workloads() -> Dict[str, Workload]:
         stat_keys=OBJECT_STAT_KEYS,
         warm=warm_strings,
         fresh_data=True,
+    )
+    returned_input = Workload(
+        "q",
+        f"returned inputs: {RETURN_TASKS} tasks are each given the array X and return it (memshare gives the parent "
+        "X's own file, held once (memshare) or dumped (memshare-copy), mapped copy-on-write for each result; the "
+        "others send each result back whole)",
+        _array,
+        return_tasks,
+        contenders=("memshare", "memshare-copy", "joblib", "mp.Pool", "serial"),
+        pickled_bytes=returned_pickled_bytes,
     )
     return {
         "a": Workload(
@@ -477,5 +508,18 @@ def make_workloads() -> Dict[str, Workload]:
             fresh_process=("start",),
             reference="joblib-pool",
             stat_keys=("tasks", "bytes_pickled"),
+        ),
+        "q": returned_input,
+        "r": replace(
+            returned_input,
+            key="r",
+            title=f"returned input tensors: workload (q) with X a float64 torch tensor, each of the {RETURN_TASKS} "
+            "tasks returning it (mp.Pool: torch's own reductions for multiprocessing, which move X and each result "
+            "into shared memory; joblib: torch's pickle, X copied into every task and each result back)",
+            prepare=tensor_data,
+            check=tensors_equal,
+            skip_reason=torch_skip,
+            warm=warm_torch,
+            fresh_data=True,
         ),
     }
