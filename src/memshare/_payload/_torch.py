@@ -210,9 +210,9 @@ class _Received:
         key = (storage.data_ptr(), storage.nbytes())
 
         def collected(ref: weakref.ref) -> None:
-            with self._lock:
-                if self._arrays.get(key) is ref:
-                    del self._arrays[key]
+            # No lock: a collection may run this while this thread holds it. A newer entry of the key stays.
+            if self._arrays.get(key) is ref:
+                self._arrays.pop(key, None)
 
         with self._lock:
             self._arrays[key] = weakref.ref(array, collected)
