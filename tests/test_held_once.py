@@ -17,6 +17,7 @@ import memshare
 from memshare import MemmappingPool, Parallel, delayed
 from memshare._lifetime import _memfd
 from memshare._parent import _held_memory, _held_once
+from memshare._transport import _pages
 from memshare._transport._refs import HELD
 
 _NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
@@ -168,7 +169,7 @@ def test_a_sent_array_becomes_its_file_with_its_values_address_and_flags_unchang
     # The parent's own copy is gone: the array's whole pages map its file, with no private page.
     names, private = mappings_of(held.first_page, held.end_page)
     assert names == {name_in_maps(held.ref.path)} and private == 0
-    assert _held_memory.changed_pages(held.first_page, held.end_page).size == 0
+    assert _pages.changed_pages(held.first_page, held.end_page).size == 0
 
 
 def test_changes_between_calls_are_seen_and_written_back_to_the_file():
@@ -180,13 +181,13 @@ def test_changes_between_calls_are_seen_and_written_back_to_the_file():
     x[inner] = -1.0  # an interior page
     x[0] = -2.0  # the first, partly filled page stays ordinary memory
     x[last] = -3.0  # and so does the last
-    assert _held_memory.changed_pages(held.first_page, held.end_page).size == 1
+    assert _pages.changed_pages(held.first_page, held.end_page).size == 1
     results = Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (0, inner, last))
     assert results == [-2.0, -1.0, -3.0]
     stats = memshare.last_call_stats()
     assert stats["arrays_dumped"] == 0 and stats["bytes_refreshed"] > 0
     # The rewritten page is a file page again: the parent does not keep a second copy of it.
-    assert _held_memory.changed_pages(held.first_page, held.end_page).size == 0
+    assert _pages.changed_pages(held.first_page, held.end_page).size == 0
     assert _held_once.lookup(x) is held
 
 

@@ -30,6 +30,7 @@ from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budg
 from .._lifetime._temp_folder import TempFolder
 from .._payload._routes import mode_unfit_reason
 from .._stats import HELD_ONCE, NOT_HELD_ONCE, CallStats, log_decision
+from .._transport import _pages
 from .._transport._compare import same_bytes
 from .._transport._dumping import CHUNK_BYTES, write_range
 from .._transport._identity import IdentityTable
@@ -130,7 +131,7 @@ class Held:
             if not self.describes(array):
                 return None
             try:
-                changed = _held_memory.changed_pages(self.first_page, self.end_page)
+                changed = _pages.changed_pages(self.first_page, self.end_page)
                 if changed.size == 0 and self._edges_match():
                     return 0
             except OSError:

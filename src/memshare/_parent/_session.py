@@ -41,12 +41,12 @@ from .._payload._routes import (
 from .._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_decision, logger, record_finished
 from .._transport._handoff import Inbox
 from .._transport._identity import IdentityTable
+from .._transport._pages import copy_on_write_unwritten
 from .._transport._protocol import Outcome, ResultSpec, Task
 from .._transport._refs import RESULT, SHARED, ArrayRef, data_address
 from . import _held_once
 from ._adopt import restore, restore_with_memfds
 from ._dumps import DumpTable
-from ._held_memory import copy_on_write_unwritten
 from ._kept_buffers import KeptIn
 from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments

@@ -18,7 +18,6 @@ from typing import AbstractSet, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lifetime._folders import FolderPair
-from .._parent._held_memory import copy_on_write_unwritten
 from .._payload._routes import (
     HAND_OVER,
     INPUT_FILE,
@@ -30,6 +29,7 @@ from .._payload._routes import (
     result_route,
 )
 from .._stats import REFERENCED, RETURNED_INPUT, log_decision
+from .._transport._pages import copy_on_write_unwritten
 from .._transport._protocol import ResultSpec, Slot
 from .._transport._refs import ArrayRef, data_address
 from .._transport._shared_store import lookup_shared
