@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import array_fit_to_hold
-from memshare._worker._run._run import run_task
+from memshare._worker._run import run_task
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
