@@ -448,7 +448,7 @@ def test_unreadable_page_flags_mean_a_plain_dump_never_stale_data(monkeypatch):
     def unreadable(first_page, end):
         raise PermissionError(13, "Permission denied: /proc/self/pagemap")
 
-    monkeypatch.setattr(_held_memory, "changed_pages", unreadable)
+    monkeypatch.setattr(_pages, "changed_pages", unreadable)
     x[100_000] = -7.0
     assert Parallel(n_jobs=2)(delayed(value_at)(x, i) for i in (100_000, 1)) == [-7.0, x[1]]
     assert memshare.last_call_stats()["arrays_dumped"] == 1
