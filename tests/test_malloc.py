@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memshare._lifetime import _procfs
 from memshare._parent import _held_memory, _malloc
 from memshare._tools import doctor as _doctor
 
@@ -187,8 +188,8 @@ def test_a_named_anonymous_mapping_is_anonymous(fake_chunk, monkeypatch):
     if _libc.prctl(pr_set_vma, pr_set_vma_anon_name, chunk.base, 4 * PAGE, name) != 0:
         # This kernel names no anonymous mapping (CONFIG_ANON_VMA_NAME): the maps are shown as one that does.
         named = _maps_naming(chunk.base, chunk.end, name)
-        monkeypatch.setattr(_held_memory, "open", lambda *args, **kwargs: io.BytesIO(named), raising=False)
-    with getattr(_held_memory, "open", open)("/proc/self/maps", "rb") as maps:
+        monkeypatch.setattr(_procfs, "open", lambda *args, **kwargs: io.BytesIO(named), raising=False)
+    with getattr(_procfs, "open", open)("/proc/self/maps", "rb") as maps:
         assert any(line.startswith(b"%x-" % chunk.base) and b"[anon:glibc: malloc]" in line for line in maps)
     assert _held_memory.mmapped_chunk(chunk.data, PAGE) is None
 
