@@ -94,3 +94,19 @@ assert "memshare" in joblib.parallel.BACKENDS, sorted(joblib.parallel.BACKENDS)
 print("ok")
 """
     assert run_script(code).stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("first", ["memshare.backend", "memshare.parallel"])
+def test_the_backend_is_registered_when_a_module_that_imports_joblib_comes_first(shm_dir, first):
+    # Importing memshare.backend loads memshare's __init__ (which waits for joblib), then joblib, whose
+    # registration hook runs while memshare.backend is still half made.
+    code = f"""
+import warnings
+warnings.simplefilter("error", RuntimeWarning)  # "could not register its joblib backend"
+import {first}
+import joblib
+with joblib.parallel_config(backend="memshare"):
+    print(joblib.Parallel(n_jobs=2)(joblib.delayed(abs)(-i) for i in range(3)))
+"""
+    result = run_script(code)
+    assert result.stdout.strip().endswith("[0, 1, 2]"), result.stdout + result.stderr

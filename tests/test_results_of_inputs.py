@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 from conftest import array_fit_to_hold
-from memshare._worker._run import run_task
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -20,6 +19,7 @@ from memshare._parent import _held_once
 from memshare._parent._session import Session
 from memshare._transport._protocol import Outcome
 from memshare._transport._refs import DUMP, HELD, ArrayRef
+from memshare._worker._run import run_task
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 

@@ -21,6 +21,10 @@ from . import _forksafe
 
 
 def _register() -> None:
+    backend = sys.modules.get(f"{__package__}.backend")
+    if backend is not None and not hasattr(backend, "register_backend"):
+        # joblib was imported by memshare.backend itself, which is only half made: it registers at its end.
+        return
     try:
         from .backend import register_backend
 

@@ -312,3 +312,8 @@ def register_backend(make_default: bool = False) -> None:
     """
     with _register_lock:
         joblib.register_parallel_backend(BACKEND_NAME, MemshareBackend, make_default=make_default)
+
+
+# joblib is imported now: whichever of memshare's modules came first, the backend is registered
+# (when this module's own import of joblib set off the hook of _registration, it was not made yet).
+register_backend()
