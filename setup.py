@@ -46,6 +46,8 @@ setup(
             "ruff>=0.5",
         ],
         "bench": ["matplotlib>=3.5", "scikit-learn>=1.2", "pandas>=1.5", "pyarrow>=10.0.1"],
+        # What `sphinx-build -W -b html docs <out>` needs: the manual's Markdown pages, numpydoc sections, the theme.
+        "docs": ["sphinx>=7", "pydata-sphinx-theme>=0.15", "numpydoc>=1.6", "myst-parser>=3"],
     },
     entry_points={"console_scripts": ["memshare=memshare.__main__:main"]},
     classifiers=[

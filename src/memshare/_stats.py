@@ -193,8 +193,8 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     and results written to the disk fallback because shared memory was
     full), ``results_pickled_no_room`` (results sent back by value because
     no file had room), ``arrays_held_once`` and ``bytes_held_once`` (arrays
-    whose memory became their shared file in this call, see README's "Arrays
-    held once"), ``bytes_refreshed`` (bytes of arrays held once moved to a
+    whose memory became their shared file in this call, see the manual's
+    "Arrays held once"), ``bytes_refreshed`` (bytes of arrays held once moved to a
     new file because the parent changed them), ``buffers_dumped``
     and ``bytes_buffers_dumped`` (out-of-band buffers of arguments, such as
     pyarrow's behind Arrow-backed pandas columns, written once to shared
@@ -209,6 +209,25 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     freed yet, whether touched or not, dumps and kept buffers still alive,
     arrays held once, shared arrays; see README's "Memory that tools
     see"). None before the first call ends.
+
+    A ``with Parallel() as p:`` context counts as one call, recorded when it
+    ends. A sequential ``n_jobs=1`` call records no task.
+
+    Returns
+    -------
+    dict or None
+        Each key above with its count, bytes or seconds; None before the
+        first pool or call of this process has finished.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import memshare
+    >>> X = np.ones(1_000_000)  # 8 MB: above max_nbytes="1M"
+    >>> _ = memshare.Parallel(n_jobs=2)(memshare.delayed(np.sum)(X) for _ in range(4))
+    >>> stats = memshare.last_call_stats()
+    >>> stats["tasks"], stats["arrays_dumped"] + stats["arrays_held_once"] + stats["arrays_referenced"] >= 1
+    (4, True)
     """
     with _last_lock:
         return None if _last is None else _last.as_dict()

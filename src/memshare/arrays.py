@@ -62,17 +62,115 @@ def _check_order(order: str) -> str:
 
 
 def empty(shape: ShapeLike, dtype: Any = float, order: str = "C") -> np.ndarray:
-    """A new array in shared memory. Its memory starts zeroed (a new memfd or tmpfs file)."""
+    """A new array in shared memory. Its memory starts zeroed (a new memfd or tmpfs file).
+
+    Passing it, or any view of it, to :class:`MemmappingPool` or the
+    ``"memshare"`` backend costs no dump and no copy, and workers get it
+    writable: their writes are visible here at once. The file is deleted
+    when the last array viewing it is garbage-collected.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        The array's shape; non-negative extents.
+    dtype : data-type, optional
+        Any NumPy dtype that holds no Python objects; float64 by default.
+    order : {'C', 'F'}, optional
+        Row-major (default) or column-major layout.
+
+    Returns
+    -------
+    numpy.ndarray
+        A plain, writable array whose memory is a shared file.
+
+    Raises
+    ------
+    TypeError
+        ``shape`` is not an int or a sequence of ints, or ``dtype`` is not a
+        NumPy dtype or holds Python objects.
+    ValueError
+        ``shape`` has a negative extent, or ``order`` is neither ``'C'`` nor
+        ``'F'``.
+    SharedMemoryFullError
+        No room for the file anywhere.
+
+    See Also
+    --------
+    zeros, full, share, is_shared
+
+    Examples
+    --------
+    >>> import memshare
+    >>> out = memshare.empty((2, 3))
+    >>> out.shape, memshare.is_shared(out)
+    ((2, 3), True)
+    """
     return new_shared_array(_check_shape(shape), _check_dtype(dtype), _check_order(order))
 
 
 def zeros(shape: ShapeLike, dtype: Any = float, order: str = "C") -> np.ndarray:
-    """A new array of zeros in shared memory."""
+    """A new array of zeros in shared memory.
+
+    The same as :func:`empty`, whose memory starts zeroed.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        The array's shape.
+    dtype : data-type, optional
+        Any NumPy dtype that holds no Python objects; float64 by default.
+    order : {'C', 'F'}, optional
+        Row-major (default) or column-major layout.
+
+    Returns
+    -------
+    numpy.ndarray
+        A writable array of zeros whose memory is a shared file.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`empty`.
+
+    Examples
+    --------
+    >>> import memshare
+    >>> memshare.zeros(3).tolist()
+    [0.0, 0.0, 0.0]
+    """
     return empty(shape, dtype, order)
 
 
 def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, order: str = "C") -> np.ndarray:
-    """A new array in shared memory filled with ``fill_value``."""
+    """A new array in shared memory filled with ``fill_value``.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        The array's shape.
+    fill_value : scalar
+        The value of every element.
+    dtype : data-type, optional
+        By default, the dtype NumPy gives ``fill_value``.
+    order : {'C', 'F'}, optional
+        Row-major (default) or column-major layout.
+
+    Returns
+    -------
+    numpy.ndarray
+        A writable array whose memory is a shared file.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`empty`.
+
+    Examples
+    --------
+    >>> import memshare
+    >>> memshare.full((2, 2), 7).tolist()
+    [[7, 7], [7, 7]]
+    """
     if dtype is None:
         dtype = np.array(fill_value).dtype
     array = empty(shape, dtype, order)
@@ -81,7 +179,41 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, order: str = "C")
 
 
 def share(array: Any, order: str = "K") -> np.ndarray:
-    """A copy of ``array`` in shared memory (written once, with ``write()``)."""
+    """A copy of ``array`` in shared memory (written once, with ``write()``).
+
+    For data reused over many calls: the copy then travels by reference at
+    every call, with no dump and no comparison.
+
+    Parameters
+    ----------
+    array : array_like
+        The data to copy; anything ``numpy.asarray`` takes, without Python
+        objects.
+    order : {'K', 'C', 'F'}, optional
+        The copy's layout: ``'K'`` (default) column-major for a
+        Fortran-contiguous array, else row-major; ``'C'`` row-major;
+        ``'F'`` column-major.
+
+    Returns
+    -------
+    numpy.ndarray
+        A writable copy whose memory is a shared file.
+
+    Raises
+    ------
+    TypeError
+        ``array``'s dtype holds Python objects.
+    ValueError
+        ``order`` is not one of ``'K'``, ``'C'``, ``'F'``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import memshare
+    >>> X = memshare.share(np.arange(4))
+    >>> X.tolist(), memshare.is_shared(X)
+    ([0, 1, 2, 3], True)
+    """
     source = np.asarray(array)
     _check_dtype(source.dtype)
     order = _check_order(file_order(source, order))
@@ -95,5 +227,22 @@ def is_shared(array: Any) -> bool:
 
     That is: arrays made by this module, ``np.memmap`` arrays (not
     copy-on-write ones), arrays over a file ``mmap`` (not private ones), and views of any of these.
+
+    Parameters
+    ----------
+    array : object
+        Anything; only a non-empty ``numpy.ndarray`` can be shared.
+
+    Returns
+    -------
+    bool
+        Whether passing ``array`` to memshare's workers costs no dump.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import memshare
+    >>> memshare.is_shared(memshare.zeros(4)[1:]), memshare.is_shared(np.zeros(4))
+    (True, False)
     """
     return isinstance(array, np.ndarray) and array.size > 0 and find_backing(array) is not None

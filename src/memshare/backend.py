@@ -78,7 +78,49 @@ def _check_n_jobs(n_jobs: Any) -> Optional[int]:
 
 
 class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
-    """joblib backend running on loky workers with memshare's sharing."""
+    """joblib backend running on loky workers with memshare's sharing.
+
+    Registered as ``"memshare"`` on ``import memshare``; joblib makes it
+    from ``joblib.parallel_config(backend="memshare", ...)`` or
+    ``Parallel(backend="memshare")``. Workers are long-lived loky processes
+    of an executor apart from joblib's ``"loky"`` backend.
+
+    Parameters
+    ----------
+    nesting_level : int, optional
+        joblib's nesting level; set by joblib.
+    inner_max_num_threads : int, optional
+        Thread limit of the libraries in each worker (OpenMP, BLAS), as for
+        joblib's loky backend.
+    idle_worker_timeout : float, optional
+        Seconds an idle worker waits before it exits (default 300, as loky).
+    initializer : callable, optional
+        Called in every worker as it starts (and in a replacement worker).
+    initargs : tuple, optional
+        The initializer's arguments.
+    promote : bool, optional
+        Hold large ordinary arrays once; None (default) reads
+        ``$MEMSHARE_PROMOTE``, which defaults to on.
+    **backend_kwargs
+        Passed on to joblib's backend base class.
+
+    Raises
+    ------
+    ValueError
+        From a call: ``n_jobs`` is 0 or not an integer.
+
+    See Also
+    --------
+    register_backend, Parallel
+
+    Examples
+    --------
+    >>> import joblib
+    >>> import memshare
+    >>> with joblib.parallel_config(backend="memshare", idle_worker_timeout=60):
+    ...     joblib.Parallel(n_jobs=2)(joblib.delayed(abs)(-i) for i in range(3))
+    [0, 1, 2]
+    """
 
     supports_retrieve_callback = True
     supports_inner_max_num_threads = True
@@ -309,6 +351,23 @@ def register_backend(make_default: bool = False) -> None:
 
     With ``make_default=True`` every joblib ``Parallel`` of the process,
     including scikit-learn's ``n_jobs``, uses it unless told otherwise.
+
+    Parameters
+    ----------
+    make_default : bool, optional
+        Make ``"memshare"`` joblib's default backend (default False).
+
+    Returns
+    -------
+    None
+
+    Examples
+    --------
+    >>> import joblib
+    >>> import memshare
+    >>> memshare.register_backend()  # again: harmless
+    >>> "memshare" in joblib.parallel.BACKENDS
+    True
     """
     with _register_lock:
         joblib.register_parallel_backend(BACKEND_NAME, MemshareBackend, make_default=make_default)

@@ -196,6 +196,50 @@ class Parallel(joblib.Parallel):
     ETA. The total of an iterable without a length, such as a generator, is
     known once joblib has taken its last task; until then the bar counts
     tasks. It works with every ``return_as``; it is off by default.
+
+    Parameters
+    ----------
+    n_jobs : int, optional
+        Number of workers, by joblib's rules: -1 for all CPUs, None for
+        joblib's default (one, unless a ``parallel_config`` says otherwise).
+    backend : str or joblib backend, optional
+        None (default) runs on ``"memshare"`` unless a
+        ``joblib.parallel_config`` names a backend or the call asks for threads
+        (``prefer="threads"``, ``require="sharedmem"``).
+    *args, **kwargs
+        joblib's ``Parallel`` arguments, in its order: ``return_as``,
+        ``prefer``, ``require``, ``verbose``, ``timeout``, ``pre_dispatch``,
+        ``batch_size``, ``temp_folder``, ``max_nbytes``, ``mmap_mode``...
+        ``max_nbytes`` (default ``"1M"``) takes memshare's sizes.
+    progress : bool, optional
+        Show a tqdm progress bar (keyword only; default False).
+
+    Raises
+    ------
+    ValueError, TypeError
+        ``max_nbytes`` is not a size, or another argument is not one joblib
+        accepts.
+
+    Warns
+    -----
+    SharedArrayCopiedWarning
+        A task gives a writable shared array to a backend whose workers get a
+        copy of it.
+
+    See Also
+    --------
+    MemmappingPool : the same sharing as a ``multiprocessing.Pool``.
+    joblib.Parallel : the base class, whose arguments all work here.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from memshare import Parallel, delayed
+    >>> X = np.arange(1_000_000, dtype=np.float64)  # 8 MB: written once, mapped by the workers
+    >>> [float(s) for s in Parallel(n_jobs=2)(delayed(np.sum)(X[i::2]) for i in range(2))]
+    [249999500000.0, 250000000000.0]
+    >>> list(Parallel(n_jobs=2, return_as="generator")(delayed(abs)(-i) for i in range(3)))
+    [0, 1, 2]
     """
 
     def __init__(self, n_jobs=None, backend=None, *args, progress: bool = False, **kwargs):
@@ -208,6 +252,38 @@ class Parallel(joblib.Parallel):
         self._dispatched_all = False
 
     def __call__(self, iterable):
+        """Run the tasks of ``iterable`` and return their results.
+
+        Parameters
+        ----------
+        iterable : iterable of tasks
+            Tasks made with :func:`delayed`: ``delayed(func)(*args, **kwargs)``.
+
+        Returns
+        -------
+        list or generator
+            The tasks' results in order; a generator for
+            ``return_as="generator"`` (in order) or
+            ``"generator_unordered"`` (as they complete).
+
+        Raises
+        ------
+        Exception
+            The first exception a task raised, as itself, with the worker's
+            traceback as a :class:`RemoteTraceback` cause.
+        UnpicklableArgumentError
+            A task's function or arguments cannot be pickled.
+        UnpicklableResultError
+            A task's result or exception cannot be pickled.
+        WorkerDiedError
+            A worker died abruptly while tasks were pending.
+
+        Examples
+        --------
+        >>> from memshare import Parallel, delayed
+        >>> Parallel(n_jobs=2)(delayed(divmod)(i, 3) for i in range(5))
+        [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+        """
         iterable = (_WatchedSized if hasattr(iterable, "__len__") else _Watched)(
             iterable, self._copying_backend, _warn_of_shared
         )

@@ -67,51 +67,94 @@ def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
 class MemmappingPool(PoolWithHooks):
     """A process pool whose workers receive large NumPy arrays as shared memory.
 
-    The arguments are those of joblib's ``MemmappingPool``, in its order, and
-    :class:`multiprocessing.pool.Pool`'s ``initializer``, ``initargs``,
-    ``maxtasksperchild`` and ``context`` as keywords:
+    A drop-in :class:`multiprocessing.pool.Pool`: its whole API works, and
+    ``map``, ``starmap``, ``imap`` and ``imap_unordered`` also take
+    ``progress=True``. The arguments are those of joblib's
+    ``MemmappingPool``, in its order, and :class:`multiprocessing.pool.Pool`'s
+    ``initializer``, ``initargs``, ``maxtasksperchild`` and ``context`` as
+    keywords.
 
-    processes
+    Parameters
+    ----------
+    processes : int, optional
         Number of worker processes; None for all CPUs.
-    temp_folder
+    temp_folder : str or os.PathLike, optional
         Where the pool's private folder goes; by default ``$MEMSHARE_TEMP_FOLDER``,
         ``$JOBLIB_TEMP_FOLDER``, ``/dev/shm``, then the system temp dir.
-    max_nbytes
+    max_nbytes : int, float, str or None, optional
         Arrays larger than this (bytes, or a string such as ``"1M"``) are
         written once to a file in shared memory and mapped by the workers;
         None disables dumping. Arrays already backed by a file (``np.memmap``,
         memshare shared arrays, and their views) always go by reference.
-        Large results come back the same way.
-    mmap_mode
-        How workers map dumped arrays: ``'r'`` read-only, ``'c'``
+        Large results come back the same way. Default ``"1M"``.
+    mmap_mode : {'r', 'c', 'r+', 'w+'}, optional
+        How workers map dumped arrays: ``'r'`` read-only (default), ``'c'``
         copy-on-write, ``'r+'``/``'w+'`` writable and shared among workers.
-    forward_reducers, backward_reducers
+    forward_reducers, backward_reducers : dict, optional
         Dicts mapping a type to a reducer function (returning
         ``(constructor, args)``, as ``copyreg`` takes), used when pickling
         task arguments and return values respectively. NumPy arrays are
         always memshare's.
-    verbose
+    verbose : int, optional
         Non-zero logs each sharing decision on the ``memshare`` logger.
-    context_id
-        Accepted for compatibility and ignored (joblib deprecated it).
-    prewarm
-        Accepted for compatibility (``True``, ``False`` or ``"auto"``); it has
-        nothing to do. joblib reads each array back after dumping it, so that
-        it is in the page cache before the workers map it; memshare's dumps
-        are written with ``write()`` through the page cache (on ``/dev/shm``
-        they are the memory itself), so they are there already.
-    promote
-        Whether a large ordinary array, once sent, keeps its data in its
-        shared file instead of a second copy (see README, "Arrays held
-        once"); None (default) reads ``$MEMSHARE_PROMOTE``, which defaults to on.
-    context
+    context_id : object, optional
+        Accepted for compatibility and ignored (joblib deprecated it); a
+        value other than None warns ``DeprecationWarning``.
+    prewarm : bool or "auto", optional
+        Accepted for compatibility; it has nothing to do. joblib reads each
+        array back after dumping it, so that it is in the page cache before
+        the workers map it; memshare's dumps are written with ``write()``
+        through the page cache (on ``/dev/shm`` they are the memory itself),
+        so they are there already.
+    initializer : callable, optional
+        Called in every worker as it starts, with ``initargs``.
+    initargs : iterable, optional
+        The initializer's arguments.
+    maxtasksperchild : int, optional
+        Tasks a worker runs before it is replaced; None for no limit.
+    context : multiprocessing context or str, optional
         A multiprocessing context or start method name; by default
-        ``forkserver`` where it exists (see ``_pool_args.default_context``).
+        ``forkserver`` where it exists.
+    promote : bool, optional
+        Whether a large ordinary array, once sent, keeps its data in its
+        shared file instead of a second copy (see the manual, "Arrays held
+        once"); None (default) reads ``$MEMSHARE_PROMOTE``, which defaults to on.
 
+    Raises
+    ------
+    ValueError, TypeError
+        An argument has a value the pool cannot use (a bad ``max_nbytes``,
+        ``mmap_mode``, ``temp_folder``, ``processes``, reducer or context);
+        the message names the accepted forms.
+    UnpicklableArgumentError
+        From a call whose function or arguments cannot be pickled (the call
+        fails; the pool stays usable).
+    WorkerDiedError
+        From the pending calls when a worker dies abruptly; the pool is broken
+        then.
+
+    See Also
+    --------
+    Parallel : the same sharing through joblib.
+
+    Notes
+    -----
     The pool's folder is deleted by ``terminate()``, by ``close()`` then
     ``join()``, on leaving a ``with`` block, and at interpreter exit; a
     running pool collected unclosed warns (``ResourceWarning``), ends its
-    workers and deletes its folder.
+    workers and deletes its folder. Under the default ``forkserver`` and
+    under ``spawn``, a script that makes a pool needs an
+    ``if __name__ == "__main__":`` guard.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from memshare import MemmappingPool
+    >>> X = np.ones((500, 500))  # 2 MB: written once for every task
+    >>> with MemmappingPool(2) as pool:
+    ...     sums = pool.map(np.sum, [X] * 4)
+    >>> [float(x) for x in sums]
+    [250000.0, 250000.0, 250000.0, 250000.0]
     """
 
     def __init__(
@@ -212,23 +255,141 @@ class MemmappingPool(PoolWithHooks):
         return self._map(func, iterable, chunksize, callback, error_callback, star=True)
 
     def map(self, func, iterable, chunksize=None, progress=False):
-        """``Pool.map``; ``progress=True`` shows a tqdm bar on stderr."""
+        """``Pool.map``; ``progress=True`` shows a tqdm bar on stderr.
+
+        Parameters
+        ----------
+        func : callable
+            Called with each item.
+        iterable : iterable
+            The items; an array repeated across items is written once.
+        chunksize : int, optional
+            Items per task; by default about four chunks per worker.
+        progress : bool, optional
+            Show a progress bar (default False).
+
+        Returns
+        -------
+        list
+            ``func(item)`` for each item, in order.
+
+        Raises
+        ------
+        Exception
+            The first exception a task raised, as itself.
+        UnpicklableArgumentError, WorkerDiedError
+            As for the pool.
+
+        Examples
+        --------
+        >>> from memshare import MemmappingPool
+        >>> with MemmappingPool(2) as pool:
+        ...     pool.map(abs, [-1, -2, 3])
+        [1, 2, 3]
+        """
         if progress:
             return self._with_progress(func, iterable, chunksize, star=False)
         return self.map_async(func, iterable, chunksize).get()
 
     def starmap(self, func, iterable, chunksize=None, progress=False):
-        """``Pool.starmap``; ``progress=True`` shows a tqdm bar on stderr."""
+        """``Pool.starmap``; ``progress=True`` shows a tqdm bar on stderr.
+
+        Parameters
+        ----------
+        func : callable
+            Called with each item's elements as arguments.
+        iterable : iterable of iterables
+            The argument tuples.
+        chunksize : int, optional
+            Items per task; by default about four chunks per worker.
+        progress : bool, optional
+            Show a progress bar (default False).
+
+        Returns
+        -------
+        list
+            ``func(*item)`` for each item, in order.
+
+        Raises
+        ------
+        Exception
+            The first exception a task raised, as itself.
+
+        Examples
+        --------
+        >>> from memshare import MemmappingPool
+        >>> with MemmappingPool(2) as pool:
+        ...     pool.starmap(pow, [(2, 3), (3, 2)])
+        [8, 9]
+        """
         if progress:
             return self._with_progress(func, iterable, chunksize, star=True)
         return self.starmap_async(func, iterable, chunksize).get()
 
     def imap(self, func, iterable, chunksize=1, progress=False):
-        """``Pool.imap``; with ``progress=True`` the result is a generator that drives a tqdm bar."""
+        """``Pool.imap``; with ``progress=True`` the result is a generator that drives a tqdm bar.
+
+        Parameters
+        ----------
+        func : callable
+            Called with each item.
+        iterable : iterable
+            The items, taken lazily.
+        chunksize : int, optional
+            Items per task (default 1).
+        progress : bool, optional
+            Show a progress bar (default False).
+
+        Returns
+        -------
+        iterator
+            ``func(item)`` for each item, in order, as they complete.
+
+        Raises
+        ------
+        Exception
+            A task's exception, as itself, when its result is reached.
+
+        Examples
+        --------
+        >>> from memshare import MemmappingPool
+        >>> with MemmappingPool(2) as pool:
+        ...     list(pool.imap(abs, [-1, -2]))
+        [1, 2]
+        """
         return self._imap(super().imap, func, iterable, chunksize, progress)
 
     def imap_unordered(self, func, iterable, chunksize=1, progress=False):
-        """``Pool.imap_unordered``; ``progress=True`` as for :meth:`imap`."""
+        """``Pool.imap_unordered``; ``progress=True`` as for :meth:`imap`.
+
+        Parameters
+        ----------
+        func : callable
+            Called with each item.
+        iterable : iterable
+            The items, taken lazily.
+        chunksize : int, optional
+            Items per task (default 1).
+        progress : bool, optional
+            Show a progress bar (default False).
+
+        Returns
+        -------
+        iterator
+            ``func(item)`` for each item, in the order they complete.
+
+        Raises
+        ------
+        Exception
+            A task's exception, as itself, when its result is reached.
+
+        Examples
+        --------
+        >>> from memshare import MemmappingPool
+        >>> with MemmappingPool(2) as pool:
+        ...     sorted(pool.imap_unordered(abs, [-1, -2]))
+        [1, 2]
+        """
         return self._imap(super().imap_unordered, func, iterable, chunksize, progress)
 
     def _imap(self, imap, func, iterable, chunksize, progress):

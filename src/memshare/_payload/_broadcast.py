@@ -54,6 +54,26 @@ class Broadcast(Generic[T]):
     (NumPy arrays, Arrow columns) are read-only in workers, and a change to any
     other part stays in that worker's copy, seen by the later tasks it runs
     and by no other process.
+
+    Made by :func:`broadcast`, not directly. Pass it to tasks instead of the
+    object. It pickles by reference for memshare's workers, and by value for
+    any other pickler (Dask, a file), so the same code runs there. Its shared
+    memory is freed once the parent drops its last reference, and each worker
+    lets its copy go at its next task.
+
+    Attributes
+    ----------
+    value : object
+        The shared object.
+    nbytes : int
+        The size of the pickled object in shared memory, buffers included.
+
+    Examples
+    --------
+    >>> import memshare
+    >>> b = memshare.broadcast([1, 2, 3])
+    >>> b.value, b.nbytes > 0
+    ([1, 2, 3], True)
     """
 
     __slots__ = ("_value", "_data", "_token", "_drops", "__weakref__")
@@ -90,6 +110,37 @@ def broadcast(obj: T) -> Broadcast[T]:
     seen by workers); tasks read it as ``b.value``. Use it for read-only data
     that many tasks need: a lookup table, a fitted model, a DataFrame with
     object columns.
+
+    Each worker unpickles the object the first time one of its tasks receives
+    it, and hands the same object to every later task it runs, across calls.
+    Arrays and Arrow buffers inside it are not unpickled: they are read-only
+    views of the shared memory.
+
+    Parameters
+    ----------
+    obj : object
+        Anything cloudpickle can pickle.
+
+    Returns
+    -------
+    Broadcast
+        The handle to pass to tasks; ``b.value`` is ``obj`` in the parent.
+
+    Raises
+    ------
+    pickle.PicklingError, TypeError
+        ``obj`` cannot be pickled.
+    SharedMemoryFullError
+        No room for the pickled object.
+
+    Examples
+    --------
+    >>> import memshare
+    >>> table = memshare.broadcast({"a": 1, "b": 2})
+    >>> def lookup(b, key):  # in a task: read b.value
+    ...     return b.value[key]
+    >>> memshare.Parallel(n_jobs=2)(memshare.delayed(lookup)(table, k) for k in "ab")
+    [1, 2]
     """
     buffers: List[pickle.PickleBuffer] = []
     stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
