@@ -46,3 +46,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
 }
+
+# Every documented function and class says what each of its parameters is, and no parameter it does not have.
+numpydoc_validation_checks = {"PR01", "PR02"}
+# Broadcast is made by memshare.broadcast(), never by hand: its constructor's arguments are memshare's own.
+numpydoc_validation_exclude = {r"^memshare\.Broadcast$"}

@@ -164,6 +164,22 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         call (forking from a non-main thread is unsafe). A throwaway
         ``LokyBackend`` at this backend's nesting level decides, so the rules
         and messages stay joblib's own in every joblib version.
+
+        Parameters
+        ----------
+        n_jobs : int or None
+            The call's ``n_jobs``: a positive count, -1 for all CPUs
+            (-2 for all but one...), or None for one.
+
+        Returns
+        -------
+        int
+            The number of workers the call runs on.
+
+        Raises
+        ------
+        ValueError
+            ``n_jobs`` is 0 or not an integer.
         """
         n_jobs = _check_n_jobs(n_jobs)
         return LokyBackend(nesting_level=self.nesting_level).effective_n_jobs(n_jobs)
