@@ -80,12 +80,11 @@ import memshare
 failures, seen = 0, set()
 for name in memshare.__all__:
     obj = getattr(memshare, name)
-    if isinstance(obj, str) or id(obj) in seen:  # __version__; MemmapingPool is MemmappingPool
+    # __version__ has no docstring of its own, MemmapingPool is MemmappingPool, delayed is joblib's.
+    if isinstance(obj, str) or id(obj) in seen or not obj.__module__.startswith("memshare"):
         continue
     seen.add(id(obj))
     for test in doctest.DocTestFinder().find(obj, name, globs={}):
-        if test.filename and "memshare" not in test.filename:
-            continue  # a docstring memshare does not own (joblib's delayed)
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         runner.run(test)
         failures += runner.failures
@@ -236,3 +235,22 @@ def test_api_reference_names_every_public_name():
     text = (DOCS / "api.rst").read_text(encoding="utf-8")
     documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: (\w+)", text, re.MULTILINE))
     assert sorted(set(memshare.__all__) - documented) == []
+
+
+def test_public_docstrings_have_numpydoc_sections():
+    """Each public name memshare defines has an example; its functions say their parameters and what they return."""
+    missing = []
+    for name in memshare.__all__:
+        obj = getattr(memshare, name)
+        if isinstance(obj, str) or not obj.__module__.startswith("memshare"):
+            continue  # __version__; delayed is joblib's
+        doc = inspect.getdoc(obj) or ""
+        wanted = ["Examples"]
+        if inspect.isfunction(obj):
+            wanted.append("Returns")
+            if _parameters(obj):
+                wanted.append("Parameters")
+        elif not issubclass(obj, BaseException) and obj is not memshare.Broadcast:  # made by broadcast()
+            wanted.append("Parameters")
+        missing += [f"{name}: {section}" for section in wanted if not re.search(rf"^{section}\n-+$", doc, re.M)]
+    assert missing == []
