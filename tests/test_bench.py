@@ -82,9 +82,12 @@ def test_memshare_bench_entry_point(tmp_path):
     """``memshare._bench.main`` runs the harness shipped in the package."""
     code = "import sys, memshare._tools.bench as b; sys.exit(b.main(sys.argv[1:]))"
     # One workload is enough to show the entry point runs; test_quick_benchmark_runs covers the others.
-    result = _run_quick([sys.executable, "-c", code], tmp_path, workloads="a")
+    timeline = tmp_path / "timeline.png"
+    result = _run_quick([sys.executable, "-c", code, "--timeline", str(timeline)], tmp_path, workloads="a")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| (a) | memshare |" in result.stdout and "| (a) | joblib |" in result.stdout
+    assert f"timeline: {timeline}" in result.stdout
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_limit_and_loop_rows_arithmetic():
@@ -353,3 +356,44 @@ def test_a_failing_contender_process_reports_its_traceback():
             process.prepare("no-such-workload", MiB, True)
     finally:
         process.close()
+
+
+def test_sampler_trace_is_every_sample_in_time():
+    """The trace holds every sample, from the baseline (time 0, nothing extra) on; its highest is the peak."""
+    with MemorySampler(os.getpid()) as sampler:
+        held = np.ones(64 * MiB // 8)
+        _wait_for_samples()
+        del held
+    times = [seconds for seconds, _ in sampler.trace]
+    assert sampler.trace[0] == (0.0, 0)
+    assert times == sorted(times) and len(sampler.trace) == sampler.samples
+    assert max(extra for _, extra in sampler.trace) == sampler.peak_extra_bytes >= 60 * MiB
+
+
+def _timeline_report(contenders):
+    from memshare._tools.benchmarks.results import Measurement, Report
+
+    report = Report(size=64 * MiB, n_jobs=2, repeats=3)
+    report.titles["b"] = "whole scans"
+    for contender, peak in contenders:
+        for scale in (1.0, 2.0, 3.0):
+            trace = [(0.0, 0), (0.1, int(peak * scale)), (0.2, 0)]
+            report.measurements.append(Measurement("b", contender, 2, 0.15, int(peak * scale), True, trace=trace))
+    return report
+
+
+def test_timeline_draws_the_median_peak_call_of_memshare_and_joblib(tmp_path):
+    from memshare._tools.benchmarks.plots import plot_timeline, timeline_runs
+
+    report = _timeline_report([("memshare", MiB), ("joblib", 8 * MiB)])
+    runs = timeline_runs(report)
+    assert set(runs) == {"memshare", "joblib"} and runs["joblib"].peak_extra_bytes == 16 * MiB
+    path = tmp_path / "timeline.png"
+    assert plot_timeline(report, str(path)) and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_needs_memshare_and_joblib(tmp_path):
+    from memshare._tools.benchmarks.plots import plot_timeline
+
+    path = tmp_path / "timeline.png"
+    assert not plot_timeline(_timeline_report([("memshare", MiB)]), str(path)) and not path.exists()

@@ -21,7 +21,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .machine import GiB, MiB, check_fits, default_size, format_size, load_average, machine_description, parse_size
-from .plots import plot_sweep, write_picture
+from .plots import plot_sweep, write_picture, write_timeline
 from .processes import ContenderDied, ContenderProcess
 from .report import markdown_table
 from .results import Measurement, Report
@@ -185,6 +185,7 @@ def _run_rotation(
                             imported,
                             end_extra_bytes=end,
                             operation=operation,
+                            trace=process.last_trace,
                         )
                     )
                     bar.update(1)
@@ -232,6 +233,12 @@ def build_parser(
     )
     parser.add_argument("--no-picture", action="store_true", help="write no picture")
     parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="PNG of memory over time during one timed call of each contender, memshare against joblib, on the "
+        "first workload run (the repeat of median peak; needs matplotlib)",
+    )
+    parser.add_argument(
         "--memory-mode",
         choices=("tree", "machine"),
         default="tree",
@@ -244,6 +251,7 @@ def build_parser(
 # Optional dependencies (the "bench" extra): module, what needs it, when it is needed.
 _OPTIONAL = (
     ("matplotlib", "--plot", lambda args: bool(args.plot)),
+    ("matplotlib", "--timeline", lambda args: bool(args.timeline)),
     ("sklearn", "workload g (GridSearchCV)", lambda args: "g" in args.workloads),
 )
 
@@ -305,6 +313,8 @@ def main(
         header = ["# memshare benchmark results", "", "Machine (shared and noisy: compare ratios, not times):", ""]
         with open(args.output, "w", encoding="utf-8") as out:
             out.write("\n".join(header + machine_description(argv_used)) + "\n\n" + table)
+    if args.timeline:
+        print(write_timeline(report, args.timeline))
     if args.plot and not plot_sweep(report, args.plot):
         print("note: --plot needs workload h (the n_jobs sweep); no plot written", file=sys.stderr)
     wrong = [m for m in report.measurements if not m.correct]

@@ -158,17 +158,23 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
     Protocol (one line each): it prints ``ready <baseline>``, waits for any line
     on stdin while sampling, then prints ``done <baseline> <peak> <samples> <last>``, where ``<last>``
     is the final sample: the memory still held once the measured call has returned and memory settled
-    (:func:`settled`, at most ``SETTLE_SECONDS``).
+    (:func:`settled`, at most ``SETTLE_SECONDS``); then ``trace <seconds>:<bytes> ...``, every sample
+    with the time it was taken, counted from the baseline (the memory over time of the pictures).
     """
     import select
 
     me = os.getpid()
     before: Set[FileKey] = set()
+    started = time.monotonic()
+    trace: List[Tuple[float, int]] = []
 
     def sample() -> int:
         if mode == "machine":
-            return sample_once(root_pid, me)
-        return _sample_tree(root_pid, me, before)[0]
+            value = sample_once(root_pid, me)
+        else:
+            value = _sample_tree(root_pid, me, before)[0]
+        trace.append((time.monotonic() - started, value))
+        return value
 
     if mode == "tree":
         # Files already there are left out of the baseline as they are left out of every later sample.
@@ -177,6 +183,8 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
         baseline = sum(read_rss_anon(pid) for pid in pids)
     else:
         baseline = sample()
+    started = time.monotonic()  # time zero: the baseline, just before the measured call starts
+    trace[:] = [(0.0, baseline)]
     peak = baseline
     samples = 1
     print(f"ready {baseline}", flush=True)
@@ -189,6 +197,7 @@ def _serve(root_pid: int, interval: float, mode: str = "tree") -> None:
     peak = max(peak, last)
     settling = settle(sample, last, interval)
     print(f"done {baseline} {peak} {samples + len(settling)} {settling[-1]}", flush=True)
+    print("trace " + " ".join(f"{seconds:.3f}:{value}" for seconds, value in trace), flush=True)
 
 
 def settle(sample: Callable[[], int], first: int, interval: float, seconds: float = SETTLE_SECONDS) -> List[int]:
@@ -218,7 +227,8 @@ class MemorySampler:
     After the ``with`` block, ``baseline_bytes``, ``peak_bytes``,
     ``peak_extra_bytes`` (peak minus baseline, never negative), ``end_extra_bytes``
     (the last sample minus baseline, never negative: what is still held once the
-    block ended and memory settled, see :func:`settled`) and ``samples`` are set.
+    block ended and memory settled, see :func:`settled`), ``samples`` and ``trace``
+    (every sample as ``(seconds since the baseline, extra bytes)``, never negative) are set.
     The baseline is taken before ``__enter__`` returns. The sampler is
     a plain subprocess running this file, so the caller needs no
     ``if __name__ == "__main__"`` guard (as it would with a spawned
@@ -236,6 +246,7 @@ class MemorySampler:
         self.peak_extra_bytes = 0
         self.end_extra_bytes = 0
         self.samples = 0
+        self.trace: List[Tuple[float, int]] = []
         self._process: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> MemorySampler:
@@ -261,6 +272,10 @@ class MemorySampler:
                 self.baseline_bytes, self.peak_bytes, self.samples, last = (int(x) for x in line[1:5])
                 self.peak_extra_bytes = max(0, self.peak_bytes - self.baseline_bytes)
                 self.end_extra_bytes = max(0, last - self.baseline_bytes)
+                trace = self._process.stdout.readline().split()
+                if trace and trace[0] == "trace":
+                    pairs = (item.split(":") for item in trace[1:])
+                    self.trace = [(float(t), max(0, int(v) - self.baseline_bytes)) for t, v in pairs]
         finally:
             self._stop_process()
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from .machine import MiB, format_size
-from .results import Report, noise_reason, summarize
+from .results import Measurement, Report, noise_reason, summarize
 from .runners import CONTENDERS
 
 
@@ -85,6 +85,74 @@ def plot_workloads(report: Report, path: str) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def timeline_runs(report: Report, workload: Optional[str] = None) -> Dict[str, Measurement]:
+    """For one workload, each contender's timed call of median peak that has a trace, by contender.
+
+    The workload is ``workload``, or the first one run where memshare and
+    joblib both have a trace, at the run's n_jobs and its first operation.
+    Empty when there is none.
+    """
+    keys = [workload] if workload else list(dict.fromkeys(m.workload for m in report.measurements))
+    for key in keys:
+        mine = [m for m in report.measurements if m.workload == key and m.n_jobs == report.n_jobs and m.trace]
+        operation = mine[0].operation if mine else ""
+        chosen: Dict[str, Measurement] = {}
+        for contender in CONTENDERS:
+            runs = sorted(
+                (m for m in mine if m.contender == contender and m.operation == operation),
+                key=lambda m: m.peak_extra_bytes,
+            )
+            if runs:
+                chosen[contender] = runs[(len(runs) - 1) // 2]
+        if "memshare" in chosen and "joblib" in chosen:
+            return chosen
+    return {}
+
+
+def plot_timeline(report: Report, path: str, workload: Optional[str] = None) -> bool:
+    """PNG of memory over time during one timed call of each contender (see :func:`timeline_runs`); False if none.
+
+    Each line is the extra memory of a contender's process tree, sampled
+    while its call ran and until memory settled after it returned; a dotted
+    line of the same colour marks the return.
+    """
+    runs = timeline_runs(report, workload)
+    if not runs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for contender, run in runs.items():
+        times = [seconds for seconds, _ in run.trace]
+        values = [extra / MiB for _, extra in run.trace]
+        (line,) = ax.plot(times, values, label=f"{contender}: peak {format_size(run.peak_extra_bytes)}")
+        ax.axvline(run.seconds, color=line.get_color(), linestyle=":", linewidth=1)
+    key = next(iter(runs.values())).workload
+    ax.set(xlabel="seconds since the call started (dotted: it returned)", ylabel="extra memory (MiB)")
+    noisy = " - TOO NOISY TO TRUST" if noise_reason(report) else ""
+    ax.set_title(
+        f"({key}) {report.titles.get(key, '')}\narray of {format_size(report.size)}, n_jobs={report.n_jobs}{noisy}",
+        fontsize="medium",
+    )
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_timeline(report: Report, path: str) -> str:
+    """Write the memory-over-time picture of ``report`` to ``path``; say what happened."""
+    path = os.path.abspath(path)
+    if not plot_timeline(report, path):
+        return "timeline: none: no workload ran both memshare and joblib"
+    return f"timeline: {path} (memory over time, memshare against joblib)"
 
 
 def default_picture_path() -> str:

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from .memory import MemorySampler
 
@@ -53,6 +53,8 @@ class ContenderProcess:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
+        #: The memory over time of the last :meth:`measure` (see ``MemorySampler.trace``).
+        self.last_trace: List[Tuple[float, int]] = []
 
     @property
     def pid(self) -> int:
@@ -84,6 +86,7 @@ class ContenderProcess:
         with MemorySampler(self.pid, mode=memory_mode) as sampler:
             seconds = self._ask(("go",), "done")[1]
         _, correct, stats, imported = self._ask(("sampled",), "measured")
+        self.last_trace = sampler.trace
         return seconds, sampler.peak_extra_bytes, sampler.end_extra_bytes, correct, stats, imported
 
     def _exit_status(self) -> int:

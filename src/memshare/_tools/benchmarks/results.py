@@ -37,6 +37,7 @@ class Measurement:
     imported_memshare: bool = False  # whether that process had imported memshare
     end_extra_bytes: int = 0  # extra memory still held once the call returned
     operation: str = ""  # for a workload timed operation by operation (the pools of (p)): which one
+    trace: List[Tuple[float, int]] = field(default_factory=list)  # (seconds, extra bytes): memory over time
 
 
 @dataclass
