@@ -108,6 +108,7 @@ class FakeProcess:
 
     def __init__(self, name: str) -> None:
         self.name, self.pid = name, os.getpid()
+        self.last_trace = [(0.0, 0), (0.1, MiB), (0.2, 0)]  # the memory over time of the last measure
         FakeProcess.started.append(name)
 
     def prepare(self, key, size, quick) -> int:
@@ -144,6 +145,13 @@ def test_default_run_writes_a_picture_and_prints_its_path(monkeypatch, tmp_path,
     assert os.path.dirname(path) == str(tmp_path) and path.endswith(".png")
     with open(path, "rb") as picture:
         assert picture.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_writes_memory_over_time_and_prints_its_path(monkeypatch, tmp_path, capsys):
+    code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M", "--no-picture", "--timeline", "t.png")
+    assert code == 0, out.err
+    assert f"timeline: {tmp_path / 't.png'} (memory over time" in out.out
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_without_matplotlib_the_run_says_how_to_get_the_picture(monkeypatch, tmp_path, capsys):
