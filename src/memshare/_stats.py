@@ -207,8 +207,8 @@ def last_call_stats() -> Optional[Dict[str, float]]:
     payload), ``bytes_in_shared_memory`` (the shared memory memshare holds
     for this process right after the call, each file once: results not
     freed yet, whether touched or not, dumps and kept buffers still alive,
-    arrays held once, shared arrays; see README's "Memory that tools
-    see"). None before the first call ends.
+    arrays held once, shared arrays; see the manual's "Memory that
+    tools see"). None before the first call ends.
 
     A ``with Parallel() as p:`` context counts as one call, recorded when it
     ends. A sequential ``n_jobs=1`` call records no task.
