@@ -6,7 +6,7 @@ the repository is the full-run entry point over the same harness. Its optional
 dependencies (matplotlib for ``--plot`` and the default run's picture,
 scikit-learn for workload g) come with the ``bench`` extra: what ``--plot`` and
 workload g need is checked before anything runs; without matplotlib the run
-writes no picture and says how to get one. Workloads j, k and m need pandas and
+writes no picture and says how to get one. Workloads j, k, m and n need pandas and
 pyarrow, and r needs torch: each is skipped (with a note saying so) where they
 are missing.
 """

@@ -210,7 +210,7 @@ def build_parser(
         "--workloads",
         default=default_workloads,
         help=f"workload keys among {DEFAULT_WORKLOADS}, listed with the results (default {default_workloads}: "
-        f"{every}; g needs scikit-learn; j, k and m need pandas and pyarrow, r needs torch, and are skipped "
+        f"{every}; g needs scikit-learn; j, k, m and n need pandas and pyarrow, r needs torch, and are skipped "
         "without them)",
     )
     parser.add_argument(
