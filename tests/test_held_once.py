@@ -252,11 +252,15 @@ def test_a_change_after_a_fork_goes_to_a_new_file_so_the_childs_view_stays_as_at
     read_end, write_end = os.pipe()
     answer_read, answer_write = os.pipe()
     before = x[4096:8192].copy()
-    # PyDLL keeps the GIL across the call, so the child (one thread) still holds it.
-    pid = os.fork() if fork == "os.fork" else ctypes.PyDLL(None).fork()
+    # PyDLL keeps the GIL across the call, so the child (one thread) still holds it. That child must never
+    # let go of it: CPython, not told of the fork, would wait for one of the parent's threads to take the
+    # GIL over, forever. So it reads and writes through libc under the GIL, and compares bytes, not arrays.
+    libc = ctypes.PyDLL(None)
+    pid = os.fork() if fork == "os.fork" else libc.fork()
     if pid == 0:  # pragma: no cover - the child
-        os.read(read_end, 1)  # the parent has changed x and sent it again
-        os.write(answer_write, b"1" if np.array_equal(x[4096:8192], before) else b"0")
+        byte = ctypes.create_string_buffer(1)
+        libc.read(read_end, byte, 1)  # the parent has changed x and sent it again
+        libc.write(answer_write, b"1" if x[4096:8192].tobytes() == before.tobytes() else b"0", 1)
         os._exit(0)
     x[4096:8192] = -9.0  # whole pages of the file mapping
     try:
