@@ -46,6 +46,9 @@ def _run_quick(command: list, tmp_path, workloads: str = "acdi") -> subprocess.C
     """Run a quick benchmark; check that memshare left nothing behind, and remove what joblib left."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = command + ["--size", "8M", "--quick", "--workloads", workloads, "--no-progress"]
+    # The picture and the report go to the temp folder unless named: here, to the test's own folder.
+    args += [] if "--output" in command else ["--output", str(tmp_path / "report.md")]
+    args += ["--picture", str(tmp_path / "picture.png")]
     with subprocess.Popen(
         args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:

@@ -40,7 +40,8 @@ def test_bench_after_plain_install_from_an_empty_folder(tmp_path):
         return subprocess.run(
             [python, "-m", "memshare", "bench", *options],
             cwd=str(empty),
-            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            # The report goes to the temp folder: the test's own.
+            env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TMPDIR": str(tmp_path)},
             capture_output=True,
             text=True,
             timeout=300,
@@ -57,3 +58,4 @@ def test_bench_after_plain_install_from_an_empty_folder(tmp_path):
     grid = bench("--workloads", "g")
     assert grid.returncode == 2 and "needs scikit-learn" in grid.stderr
     assert os.listdir(empty) == []
+    assert [name for name in os.listdir(tmp_path) if name.startswith("memshare-bench-")]  # the report, not in cwd

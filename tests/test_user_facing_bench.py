@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import signal
+import tempfile
 
 import pytest
 
@@ -53,11 +54,18 @@ def _tables(text: str) -> list:
 # -- 5. the report ---------------------------------------------------------------------------------------------
 
 
-def test_every_contender_and_column_is_defined_under_its_table():
-    """Under each table: a line for each contender of its rows and for each of its measured columns."""
-    tables = _tables(markdown_table(_report()))
+def test_every_contender_and_column_is_defined_once_after_the_tables():
+    """After the tables: one line for each contender of any table, and under each table's heading its columns."""
+    text = markdown_table(_report())
+    tables = _tables(text)
     assert len(tables) == 3  # the main table, against the limit, the shared-array loop
-    for header, rows, below in tables:
+    after = tables[-1][2]  # everything after the last table
+    headings = {
+        0: "Columns of the main table:",
+        1: "Columns of the table against the limit:",
+        2: "Columns of the shared-array loop's table (i):",
+    }
+    for n, (header, rows, _) in enumerate(tables):
         names = set()
         for row in rows:
             cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -65,13 +73,16 @@ def test_every_contender_and_column_is_defined_under_its_table():
                 names.add(cells[header.index("contender")])
         names |= {name for name in ("memshare", "joblib") if name in header}
         for name in names:
-            assert any(line.startswith(f"- `{name}`: ") for line in below), (name, below)
-        columns = [line for line in below if line.startswith("- ") and not line.startswith("- `")]
+            assert [line for line in after if line.startswith(f"- `{name}`: ")], (name, after)
+        start = after.index(headings[n]) + 2
+        columns = (after[start:] + [""])[: (after[start:] + [""]).index("")]
         for cell in header:
             if cell in ("workload", "contender", "n_jobs"):
                 continue
-            assert any(line[2:].split(": ", 1)[0].find(cell) >= 0 for line in columns), (cell, below)
-    text = markdown_table(_report())
+            assert any(line[2:].split(": ", 1)[0].find(cell) >= 0 for line in columns), (cell, columns)
+    defined = [line for line in text.splitlines() if line.startswith("- `")]
+    assert len(defined) == len(set(defined))  # each contender once
+    assert text.count("Contenders:") == 1
     for name in ("memshare-copy", "memshare-plain", "joblib-nomemmap"):
         assert re.search(rf"- `{re.escape(name)}`: \S", text), name
 
@@ -122,11 +133,20 @@ class FakeProcess:
         pass
 
 
-def _main(monkeypatch, tmp_path, capsys, *options):
+def _main(monkeypatch, tmp_path, capsys, *options, default=("--workloads", "a", "--contenders", "memshare,joblib")):
+    """Run the harness's command line with made-up measurements, from ``tmp_path``, its temp folder ``tmp_path/tmp``."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(harness, "ContenderProcess", FakeProcess)
-    code = harness.main(["--workloads", "a", "--contenders", "memshare,joblib", "--no-progress", *options])
+    code = harness.main([*default, *options])
     return code, capsys.readouterr()
+
+
+def _printed_path(out: str, what: str) -> str:
+    """The path a ``what: PATH (...)`` line of the run's output names."""
+    (line,) = [line for line in out.splitlines() if line.startswith(f"{what}: ")]
+    return line[len(f"{what}: ") :].split(" (")[0]
 
 
 def test_the_run_records_the_load_before_and_after(monkeypatch):
@@ -137,14 +157,54 @@ def test_the_run_records_the_load_before_and_after(monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the bench extra)")
-def test_default_run_writes_a_picture_and_prints_its_path(monkeypatch, tmp_path, capsys):
-    code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M")
+def test_default_run_writes_its_picture_and_report_to_the_temp_folder_and_prints_where(monkeypatch, tmp_path, capsys):
+    """Nothing lands in the current folder unless asked: the picture and the full report go to the temp folder."""
+    code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M", "--no-progress")
     assert code == 0, out.err
-    (line,) = [line for line in out.out.splitlines() if line.startswith("picture: ")]
-    path = line[len("picture: ") :].split(" (")[0]
-    assert os.path.dirname(path) == str(tmp_path) and path.endswith(".png")
-    with open(path, "rb") as picture:
-        assert picture.read(8) == b"\x89PNG\r\n\x1a\n"
+    picture, report = _printed_path(out.out, "picture"), _printed_path(out.out, "report")
+    assert os.path.dirname(picture) == os.path.dirname(report) == str(tmp_path / "tmp")
+    assert picture.endswith(".png") and report.endswith(".md")
+    with open(picture, "rb") as png:
+        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(report, encoding="utf-8") as md:
+        assert "Columns of the main table:" in md.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+
+
+def test_a_chosen_picture_path_is_used(monkeypatch, tmp_path, capsys):
+    code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M", "--picture", "here.png", "--output", "r.md")
+    assert code == 0, out.err
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert _printed_path(out.out, "picture") == str(tmp_path / "here.png") and (tmp_path / "here.png").exists()
+    assert _printed_path(out.out, "report") == str(tmp_path / "r.md")
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(monkeypatch, tmp_path, capsys):
+    """Without a terminal the bar would be one endless line of redraws: there is none, unasked."""
+    code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M", "--no-picture")
+    assert code == 0, out.err
+    assert "\r" not in out.err and "run/s" not in out.err and "%|" not in out.err, out.err[:500]
+
+
+def test_the_default_run_prints_about_a_screen_each_table_and_legend_once(monkeypatch, tmp_path, capsys):
+    """``python -m memshare bench --quick`` (made-up measurements, every default workload whose packages are here)."""
+    from memshare._tools import bench
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(harness, "ContenderProcess", FakeProcess)
+    code = bench.main(["--quick", "--no-picture"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    assert len(lines) <= 80, "\n".join(lines)
+    assert lines.count("Contenders:") == 1 and lines.count("Workloads:") == 1
+    for table in ("| workload | contender | n_jobs |", "| workload | n_jobs | serial |", "| contender | n_jobs |"):
+        assert sum(line.startswith(table) for line in lines) == 1, table
+    # Each contender of the tables is defined once.
+    defined = [line.split("`")[1] for line in lines if line.startswith("- `")]
+    assert len(defined) == len(set(defined)) and "memshare" in defined and "joblib" in defined
 
 
 def test_timeline_writes_memory_over_time_and_prints_its_path(monkeypatch, tmp_path, capsys):
@@ -162,7 +222,8 @@ def test_without_matplotlib_the_run_says_how_to_get_the_picture(monkeypatch, tmp
     code, out = _main(monkeypatch, tmp_path, capsys, "--size", "1M")
     assert code == 0, out.err
     assert "matplotlib is not installed" in out.out and "pip install 'memshare[bench]'" in out.out
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["tmp"]
+    assert not list((tmp_path / "tmp").glob("*.png"))
 
 
 # -- 6. a size the machine cannot hold ---------------------------------------------------------------------------
@@ -210,3 +271,32 @@ def test_a_contender_process_that_dies_is_reported_and_the_run_goes_on(monkeypat
     assert "(a) joblib" in note and "SIGKILL" in note, report.notes
     assert [m.contender for m in report.measurements] == ["serial", "serial"]
     assert "SIGKILL" in markdown_table(report)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the bench extra)")
+def test_the_picture_draws_zero_extra_memory_and_names_the_workloads():
+    """memshare's best (no extra memory: a ratio of 0) is a bar down to 0, not a bar a log axis cannot draw."""
+    import matplotlib.pyplot as plt
+
+    from memshare._tools.benchmarks.plots import workloads_figure
+
+    report = _report()
+    report.short_names.update(a="chunks", i="shared loop")
+    for m in report.measurements:
+        if m.contender == "memshare" and m.workload == "a":
+            m.peak_extra_bytes = 0
+    fig = workloads_figure(report)
+    try:
+        time_axis, memory_axis = fig.axes[:2]
+        assert memory_axis.get_yscale() == "symlog" and memory_axis.get_ylim()[0] == 0
+        (bars,) = [container for container in memory_axis.containers if container.get_label() == "memshare"]
+        (zero,) = [patch for patch in bars.patches if patch.get_x() < 0.5]  # workload (a)'s bar
+        assert zero.get_y() == 1 and zero.get_y() + zero.get_height() == 0  # from 1 (as joblib) down to 0
+        ticks = [label.get_text() for label in time_axis.get_xticklabels()]
+        assert ticks == ["chunks (a)", "shared loop (i)"]
+        legends = fig.legends
+        assert len(legends) == 1 and not time_axis.get_legend() and not memory_axis.get_legend()
+        names = [text.get_text() for text in legends[0].get_texts()]
+        assert len(names) == len(set(names)) and "memshare" in names and "joblib" not in names
+    finally:
+        plt.close(fig)

@@ -16,21 +16,27 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from .benchmarks.runners import CONTENDERS
+
 _DEFAULT_BYTES = 256 * 1024**2
-# Inputs, whole scans, results, tiny tasks, a managed second call, the shared-array loop, a string[pyarrow]
-# DataFrame (j) and a second call over it (n), a large dict (l), the pools on small items (p) and tasks that
-# return their input, an array (q) and a torch tensor (r, where torch is installed). The shared
-# array in a loop (f, which (i) covers), GridSearchCV (g), the n_jobs sweep (h), and the Arrow variants (k: Arrow
-# dtypes from Parquet, m: Arrow results) take longer or repeat what the others show: ask for them with --workloads.
-DEFAULT_WORKLOADS = "abcdeijlnpqr"
+# Inputs (a), results (c), tiny tasks (d), the shared-array loop (i), a string[pyarrow] DataFrame (j) and a large
+# dict (l): what memshare changes for each kind of data, in about 4 minutes on 2 cores with 3 repeats. The others
+# repeat what these show or take longer: whole scans (b: the pickling contenders pickle the whole array per task),
+# the managed and the Arrow second calls (e, n), the shared array in a loop (f, which (i) covers), GridSearchCV (g),
+# the n_jobs sweep (h), the Arrow variants (k, m), the pools on small items (p) and the tasks that return their
+# input (q, r: the pickling contenders send each result back whole): ask for them with --workloads.
+DEFAULT_WORKLOADS = "acdijl"
+# joblib without memmapping pickles like mp.Pool, which stays as the standard library's pool: ask for it with
+# --contenders.
+DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c != "joblib-nomemmap")
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare bench") -> int:
     """Run the benchmark with command-line options ``argv`` (see ``--help``); return the exit code.
 
     Without ``--size``/``--quick`` the array is 256 MiB (or less on a small
-    machine) and without ``--workloads`` the main workloads run, so the
-    default run takes a few minutes.
+    machine), without ``--workloads`` and ``--contenders`` the main
+    workloads and contenders run, 3 repeats each: about 4 minutes on 2 cores.
     """
     from .benchmarks import harness, machine
 
@@ -40,6 +46,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare b
         command=prog,
         default_workloads=DEFAULT_WORKLOADS,
         default_size=min(_DEFAULT_BYTES, machine.default_size()),
+        default_contenders=DEFAULT_CONTENDERS,
     )
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
+import tempfile
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .machine import GiB, MiB, check_fits, default_size, format_size, load_average, machine_description, parse_size
-from .plots import plot_sweep, write_picture, write_timeline
+from .plots import default_picture_path, plot_sweep, write_picture, write_timeline
 from .processes import ContenderDied, ContenderProcess
 from .report import markdown_table
 from .results import Measurement, Report
@@ -67,6 +70,7 @@ def run_benchmark(
     plans = []
     for workload in chosen:
         report.titles[workload.key] = workload.title
+        report.short_names[workload.key] = workload.short
         if workload.reference != "joblib":
             report.references[workload.key] = workload.reference
         reason = workload.skip_reason()
@@ -195,6 +199,7 @@ def build_parser(
     prog: str = "python -m benchmarks.run",
     default_workloads: str = DEFAULT_WORKLOADS,
     default_size: Optional[int] = None,
+    default_contenders: Sequence[str] = CONTENDERS,
 ) -> argparse.ArgumentParser:
     """Command-line options of ``python -m benchmarks.run`` and ``python -m memshare bench``, with their defaults."""
     parser = argparse.ArgumentParser(prog=prog, description="Benchmark memshare against joblib and others.")
@@ -203,6 +208,8 @@ def build_parser(
     ) + f"; {format_size(QUICK_SIZE)} with --quick"
     left_out = "".join(k for k in DEFAULT_WORKLOADS if k not in default_workloads)
     every = "all of them" if not left_out else f"all but {left_out}: pass {DEFAULT_WORKLOADS} for all"
+    unlisted = ", ".join(c for c in CONTENDERS if c not in default_contenders)
+    contenders_default = f"all but {unlisted}, which run when listed" if unlisted else "all"
     parser.add_argument("--size", type=parse_size, default=None, help=f"array size, e.g. 256M or 1G ({size_default})")
     parser.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (for tests)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per contender (default 3, quick 1)")
@@ -215,21 +222,26 @@ def build_parser(
     )
     parser.add_argument(
         "--contenders",
-        default=",".join(CONTENDERS),
-        help=f"comma-separated, among {', '.join(CONTENDERS)} (default: all; each workload runs those of its own "
-        "contenders that are listed, as its table shows)",
+        default=",".join(default_contenders),
+        help=f"comma-separated, among {', '.join(CONTENDERS)} (default: {contenders_default}; each workload runs "
+        "those of its own contenders that are listed, as its table shows)",
     )
     parser.add_argument("--n-jobs", type=int, default=2, help="workers (default 2)")
     parser.add_argument("--pickle-budget", type=parse_size, default=4 * GiB, help="skip pickling beyond this")
     parser.add_argument(
         "--plot", metavar="FILE", help="PNG of time and memory against n_jobs (workload h; needs matplotlib)"
     )
-    parser.add_argument("--output", metavar="FILE", help="write the markdown report with a machine header")
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        help="the full markdown report with a machine header (default: memshare-bench-<date>-<time>.md in the temp "
+        "folder, its path printed; the terminal shows the tables without the columns' definitions)",
+    )
     parser.add_argument(
         "--picture",
         metavar="FILE",
         help="PNG of time and memory per workload against joblib (default: memshare-bench-<date>-<time>.png in the "
-        "current folder; needs matplotlib, else the run says how to get it)",
+        "temp folder, its path printed; needs matplotlib, else the run says how to get it)",
     )
     parser.add_argument("--no-picture", action="store_true", help="write no picture")
     parser.add_argument(
@@ -244,7 +256,9 @@ def build_parser(
         default="tree",
         help="shared memory counted: the tree's new /dev/shm files and memfds (default) or the machine's Shmem",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar on stderr (there is none when it is not a terminal)"
+    )
     return parser
 
 
@@ -275,9 +289,10 @@ def main(
     command: Optional[str] = None,
     default_workloads: str = DEFAULT_WORKLOADS,
     default_size: Optional[int] = None,
+    default_contenders: Sequence[str] = CONTENDERS,
 ) -> int:
     """Parse options, run, print the table, write the report and plot. Returns the exit code."""
-    args = build_parser(prog, default_workloads, default_size).parse_args(argv)
+    args = build_parser(prog, default_workloads, default_size, default_contenders).parse_args(argv)
     missing = missing_dependencies(args)
     if missing:
         for message in missing:
@@ -298,21 +313,25 @@ def main(
             n_jobs=args.n_jobs,
             quick=args.quick,
             pickle_budget=args.pickle_budget,
-            progress=not args.no_progress,
+            # A bar redrawn in place is only for a terminal: in a file or a pipe it is one endless line.
+            progress=not args.no_progress and sys.stderr.isatty(),
             memory_mode=args.memory_mode,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    table = markdown_table(report)
-    print(table)
+    # The terminal gets the tables and one legend; the file gets every definition, memshare's own figures and
+    # the machine. Neither goes to the current folder unless asked (--output, --picture).
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    print(markdown_table(report, full=False))
+    output = os.path.abspath(args.output or os.path.join(tempfile.gettempdir(), f"memshare-bench-{stamp}.md"))
+    argv_used = [command or prog] + list(sys.argv[1:] if argv is None else argv)
+    header = ["# memshare benchmark results", "", "Machine (shared and noisy: compare ratios, not times):", ""]
+    with open(output, "w", encoding="utf-8") as out:
+        out.write("\n".join(header + machine_description(argv_used)) + "\n\n" + markdown_table(report))
+    print(f"report: {output} (every column defined, memshare.last_call_stats() and the machine)")
     if not args.no_picture:
-        print(write_picture(report, args.picture))
-    if args.output:
-        argv_used = [command or prog] + list(sys.argv[1:] if argv is None else argv)
-        header = ["# memshare benchmark results", "", "Machine (shared and noisy: compare ratios, not times):", ""]
-        with open(args.output, "w", encoding="utf-8") as out:
-            out.write("\n".join(header + machine_description(argv_used)) + "\n\n" + table)
+        print(write_picture(report, args.picture or default_picture_path(stamp)))
     if args.timeline:
         print(write_timeline(report, args.timeline))
     if args.plot and not plot_sweep(report, args.plot):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 import time
 from typing import Dict, Optional
 
@@ -44,11 +45,18 @@ def plot_sweep(report: Report, path: str) -> bool:
     return True
 
 
-def plot_workloads(report: Report, path: str) -> bool:
-    """PNG of each contender's time and peak memory against joblib's, per workload; False if nothing to plot.
+#: Below this ratio the picture's axis is linear, above it logarithmic (symlog): a ratio of 0, memshare's best
+#: (no extra memory at all), is drawn at 0 instead of falling off a log axis.
+LINEAR_BELOW = 0.05
 
-    The picture people look at first: one bar per contender and workload
-    (ratio to joblib, log scale, 1 = as joblib), at the run's n_jobs.
+
+def workloads_figure(report: Report):
+    """The figure of :func:`plot_workloads` (a matplotlib Figure, not yet saved), or None if nothing to plot.
+
+    Each bar starts at 1 (as joblib) and ends at the contender's ratio to
+    joblib: down is better. The axis is symlog, linear below
+    :data:`LINEAR_BELOW`, so that a ratio of 0 reaches the bottom of the axis
+    instead of vanishing as it would on a log axis.
     """
     rows = [
         r
@@ -57,31 +65,67 @@ def plot_workloads(report: Report, path: str) -> bool:
     ]
     rows = [r for r in rows if r["time_ratio"] is not None or r["memory_ratio"] is not None]
     if not rows:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(dict.fromkeys(r["label"] for r in rows))
+    keys = list(dict.fromkeys((r["workload"], r["operation"]) for r in rows))
+    ticks = [
+        " ".join(filter(None, (report.short_names.get(key, ""), operation, f"({key})"))) for key, operation in keys
+    ]
     names = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
+    colors = {name: plt.get_cmap("tab20")(CONTENDERS.index(name) % 20) for name in names}
     width = 0.8 / len(names)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig = plt.figure(figsize=(13, 6), layout="constrained")
+    axes = fig.subplots(1, 2)
     for ax, column, title in zip(axes, ("time_ratio", "memory_ratio"), ("time / joblib", "peak extra memory / joblib")):
         for i, name in enumerate(names):
-            mine = {r["label"]: r[column] for r in rows if r["contender"] == name and r[column]}
-            xs = [k for k, key in enumerate(keys) if key in mine]
-            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [mine[keys[x]] for x in xs], width, label=name)
+            mine = {(r["workload"], r["operation"]): r[column] for r in rows if r["contender"] == name}
+            xs = [k for k, key in enumerate(keys) if mine.get(key) is not None]
+            values = [mine[keys[x]] for x in xs]
+            ax.bar(
+                [x + (i - (len(names) - 1) / 2) * width for x in xs],
+                [v - 1 for v in values],
+                width,
+                bottom=1,
+                label=name,
+                color=colors[name],
+            )
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_yscale("log")
-        tilted = len(keys) > 8  # many labels ("(p) start" and the like) side by side would overlap
-        ax.set_xticks(range(len(keys)), keys, rotation=45 if tilted else 0, ha="right" if tilted else "center")
-        ax.set(xlabel="workload (see the report)", ylabel=f"{title} (log; < 1 is better)", title=title)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize="small")
+        ax.set_yscale("symlog", linthresh=LINEAR_BELOW, linscale=0.5)
+        ax.set_ylim(bottom=0)
+        tilted = len(keys) > 4  # names side by side would overlap
+        ax.set_xticks(range(len(keys)), ticks, rotation=35 if tilted else 0, ha="right" if tilted else "center")
+        ax.set_title(title)
+        ax.set_ylabel(f"{title} (1 = as joblib, < 1 is better)")
+    reference = "; (p) against joblib's pool" if any(key == "p" for key, _ in keys) else ""
+    # One entry per contender, wherever its bars are; under the axes, inside the figure.
+    entries = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncol=min(len(names), 6), fontsize="small")
     noisy = " - TOO NOISY TO TRUST" if noise_reason(report) else ""
-    fig.suptitle(f"memshare bench: array of {format_size(report.size)}, n_jobs={report.n_jobs}{noisy}")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.suptitle(
+        f"memshare bench: each contender against joblib{reference}, array of {format_size(report.size)}, "
+        f"n_jobs={report.n_jobs}, median of {report.repeats} repeat(s){noisy}\n"
+        f"bars from 1 (as joblib) to the ratio; axis linear below {LINEAR_BELOW}, logarithmic above, so that 0 "
+        "(no extra memory) is drawn at 0; workload keys as in the report",
+        fontsize="medium",
+    )
+    return fig
+
+
+def plot_workloads(report: Report, path: str) -> bool:
+    """PNG of each contender's time and peak memory against joblib's, per workload; False if nothing to plot.
+
+    The picture people look at first: one bar per contender and workload
+    (ratio to joblib, 1 = as joblib), at the run's n_jobs; see :func:`workloads_figure`.
+    """
+    fig = workloads_figure(report)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path)
     plt.close(fig)
     return True
@@ -155,9 +199,12 @@ def write_timeline(report: Report, path: str) -> str:
     return f"timeline: {path} (memory over time, memshare against joblib)"
 
 
-def default_picture_path() -> str:
-    """Where the default run puts its picture: a new file in the current folder, named by the time."""
-    return os.path.abspath(f"memshare-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
+def default_picture_path(stamp: Optional[str] = None) -> str:
+    """Where the default run puts its picture: a new file in the temp folder, named by the time (or ``stamp``).
+
+    Not the current folder: a run from a project's folder must not leave files in it unless asked (``--picture``).
+    """
+    return os.path.join(tempfile.gettempdir(), f"memshare-bench-{stamp or time.strftime('%Y%m%d-%H%M%S')}.png")
 
 
 def write_picture(report: Report, path: Optional[str]) -> str:

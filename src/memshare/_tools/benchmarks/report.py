@@ -95,12 +95,15 @@ LOOP_COLUMN_MEANINGS: Tuple[Tuple[str, str], ...] = (
 )
 
 
-def _legend(contenders: Sequence[str], columns: Sequence[Tuple[str, str]]) -> List[str]:
-    """Lines defining the contenders of a table (each once, in the order of :data:`CONTENDERS`) and its columns."""
+def _contender_legend(contenders: Sequence[str]) -> List[str]:
+    """Lines defining each contender of the tables once, in the order of :data:`CONTENDER_MEANINGS`."""
     named = [c for c in CONTENDER_MEANINGS if c in contenders]
-    lines = ["", "Contenders:", ""] + [f"- `{c}`: {CONTENDER_MEANINGS[c]}" for c in named]
-    lines += ["", "Columns:", ""] + [f"- {name}: {meaning}" for name, meaning in columns]
-    return lines
+    return ["", "Contenders:", ""] + [f"- `{c}`: {CONTENDER_MEANINGS[c]}" for c in named]
+
+
+def _column_legend(table: str, columns: Sequence[Tuple[str, str]]) -> List[str]:
+    """Lines defining the columns of one table, under a heading naming the table."""
+    return ["", f"Columns of {table}:", ""] + [f"- {name}: {meaning}" for name, meaning in columns]
 
 
 def _stat_bytes(nbytes: float) -> str:
@@ -112,9 +115,17 @@ def _stat_bytes(nbytes: float) -> str:
     return format_size(nbytes)
 
 
-def markdown_table(report: Report) -> str:
-    """The results as markdown: a table, the workload legend, memshare's figures and the notes."""
+def markdown_table(report: Report, full: bool = True) -> str:
+    """The results as markdown: the tables, then what their contenders, columns and workloads are, and the notes.
+
+    Each table comes once, and each definition once, after all the tables. With
+    ``full=False`` (what the terminal shows) the columns' definitions and
+    memshare's own figures (``memshare.last_call_stats()``) are left out and the
+    workloads get one short line each, so that a default run prints about a screen.
+    """
     rows = summarize(report)
+    shown = {r["contender"] for r in rows}
+    columns: List[List[str]] = [_column_legend("the main table", COLUMN_MEANINGS)]
     lines = [
         f"Array size {format_size(report.size)}, n_jobs={report.n_jobs} (sweep: as listed), "
         f"{report.repeats} repeat(s), contenders interleaved. Memory: peak extra RssAnon of the process tree + "
@@ -140,7 +151,6 @@ def markdown_table(report: Report) -> str:
             f"| {r['min']:.3f}-{r['max']:.3f} s | {format_size(r['memory'])} | {format_size(r['after'])} | {tr} | {mr} "
             f"| {'yes' if r['correct'] else '**NO**'} |"
         )
-    lines += _legend([r["contender"] for r in rows], COLUMN_MEANINGS)
     limits = limit_rows(report)
     if limits:
         lines += [
@@ -166,7 +176,8 @@ def markdown_table(report: Report) -> str:
                 f"| {r['limit']:.3f} s | {_fmt(r['memshare'], '.3f', ' s')} | {_fmt(r['memshare_ratio'], '.2f')} "
                 f"| {_fmt(r['joblib_ratio'], '.2f')} |"
             )
-        lines += _legend(["memshare", "joblib"], LIMIT_COLUMN_MEANINGS)
+        shown |= {"memshare", "joblib"}
+        columns.append(_column_legend("the table against the limit", LIMIT_COLUMN_MEANINGS))
     loops = loop_rows(report)
     if loops:
         lines += [
@@ -186,7 +197,8 @@ def markdown_table(report: Report) -> str:
                 f"| {_fmt(r['overhead_ratio'], '.3f')} | {format_size(r['memory'])} "
                 f"| {_fmt(r['memory_per_data'], '.2f')} |"
             )
-        lines += _legend([r["contender"] for r in loops], LOOP_COLUMN_MEANINGS)
+        shown |= {r["contender"] for r in loops}
+        columns.append(_column_legend(f"the shared-array loop's table ({LOOP_WORKLOAD})", LOOP_COLUMN_MEANINGS))
     pools = pool_rows(report)
     if pools:
         lines += [
@@ -204,16 +216,20 @@ def markdown_table(report: Report) -> str:
                 f"| {_fmt(r['same_method'], '.2f')} | {_fmt(r['joblib_pool'], '.2f')} |"
             )
     lines += ["", "Workloads:", ""]
-    lines += [f"- ({k}) {t}" for k, t in report.titles.items()]
-    stats_rows = [r for r in rows if r["contender"].startswith("memshare") and r["stats"]]
-    if stats_rows:
-        lines += ["", "memshare.last_call_stats() after the last repeat:", ""]
-        for r in stats_rows:
-            figures = ", ".join(
-                f"{k}={_stat_bytes(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
-                for k, v in r["stats"].items()
-            )
-            lines.append(f"- {r['label']} {r['contender']} n_jobs={r['n_jobs']}: {figures}")
+    # The short name is how the picture names the workload.
+    lines += [f"- ({k}) {report.short_names.get(k, k)}: {t}" for k, t in report.titles.items()]
+    lines += _contender_legend(shown)
+    if full:
+        lines += [line for legend in columns for line in legend]
+        stats_rows = [r for r in rows if r["contender"].startswith("memshare") and r["stats"]]
+        if stats_rows:
+            lines += ["", "memshare.last_call_stats() after the last repeat:", ""]
+            for r in stats_rows:
+                figures = ", ".join(
+                    f"{k}={_stat_bytes(v) if k.startswith('bytes') else (f'{v:.3f}' if isinstance(v, float) else v)}"
+                    for k, v in r["stats"].items()
+                )
+                lines.append(f"- {r['label']} {r['contender']} n_jobs={r['n_jobs']}: {figures}")
     if report.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"

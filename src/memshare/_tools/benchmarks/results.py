@@ -50,6 +50,7 @@ class Report:
     measurements: List[Measurement] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     titles: Dict[str, str] = field(default_factory=dict)
+    short_names: Dict[str, str] = field(default_factory=dict)  # workload -> a few words, for the picture
     memory_mode: str = "tree"
     limit_formulas: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.limit_formula
     references: Dict[str, str] = field(default_factory=dict)  # workload -> Workload.reference, if not joblib

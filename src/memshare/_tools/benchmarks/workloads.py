@@ -163,6 +163,29 @@ def _close(a: Any, b: Any) -> bool:
     return a == b
 
 
+#: A few words for each workload, for the picture's axis and the report's list of workloads, where the
+#: whole title (:attr:`Workload.title`) would not fit.
+SHORT_NAMES: Dict[str, str] = {
+    "a": "chunks",
+    "b": "whole scans",
+    "c": "large results",
+    "d": "tiny tasks",
+    "e": "managed 2nd call",
+    "f": "shared, 5 calls",
+    "g": "GridSearchCV",
+    "h": "n_jobs sweep",
+    "i": "shared loop",
+    "j": "Arrow strings",
+    "k": "Arrow dtypes",
+    "l": "large dict",
+    "m": "Arrow results",
+    "n": "Arrow 2nd call",
+    "p": "pools",
+    "q": "returned arrays",
+    "r": "returned tensors",
+}
+
+
 @dataclass
 class Workload:
     """One workload at one size.
@@ -220,6 +243,11 @@ class Workload:
     reference: str = "joblib"
     stat_keys: Tuple[str, ...] = STAT_KEYS
     warm: Optional[Callable[[int], List[Task]]] = None
+
+    @property
+    def short(self) -> str:
+        """The workload in a few words (:data:`SHORT_NAMES`)."""
+        return SHORT_NAMES.get(self.key, self.key)
 
     def prepare_for(self, size: int, quick: bool, contender: str) -> Any:
         """The data ``contender`` gets, built in its own process."""
