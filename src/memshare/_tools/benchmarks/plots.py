@@ -95,7 +95,7 @@ def workloads_figure(report: Report):
             )
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_yscale("symlog", linthresh=LINEAR_BELOW, linscale=0.5)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(2.0, ax.get_ylim()[1]))  # 1 (as joblib) never at the top edge
         tilted = len(keys) > 4  # names side by side would overlap
         ax.set_xticks(range(len(keys)), ticks, rotation=35 if tilted else 0, ha="right" if tilted else "center")
         ax.set_title(title)
