@@ -20,11 +20,12 @@ from .benchmarks.runners import CONTENDERS
 
 _DEFAULT_BYTES = 256 * 1024**2
 # Inputs (a), results (c), tiny tasks (d), the shared-array loop (i), a string[pyarrow] DataFrame (j) and a large
-# dict (l): what memshare changes for each kind of data, in about 4 minutes on 2 cores with 3 repeats. The others
-# repeat what these show or take longer: whole scans (b: the pickling contenders pickle the whole array per task),
-# the managed and the Arrow second calls (e, n), the shared array in a loop (f, which (i) covers), GridSearchCV (g),
-# the n_jobs sweep (h), the Arrow variants (k, m), the pools on small items (p) and the tasks that return their
-# input (q, r: the pickling contenders send each result back whole): ask for them with --workloads.
+# dict (l): what memshare changes for each kind of data, in under 4 minutes on 2 cores with 3 repeats (2 min 20 s
+# at load average 3.3). The others repeat what these show or take longer: whole scans (b: the pickling contenders
+# pickle the whole array per task), the managed and the Arrow second calls (e, n), the shared array in a loop (f,
+# which (i) covers), GridSearchCV (g), the n_jobs sweep (h), the Arrow variants (k, m), the pools on small items
+# (p) and the tasks that return their input (q, r: the pickling contenders send each result back whole): ask for
+# them with --workloads.
 DEFAULT_WORKLOADS = "acdijl"
 # joblib without memmapping pickles like mp.Pool, which stays as the standard library's pool: ask for it with
 # --contenders.
@@ -36,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m memshare b
 
     Without ``--size``/``--quick`` the array is 256 MiB (or less on a small
     machine), without ``--workloads`` and ``--contenders`` the main
-    workloads and contenders run, 3 repeats each: about 4 minutes on 2 cores.
+    workloads and contenders run, 3 repeats each: under 4 minutes on 2 cores.
     """
     from .benchmarks import harness, machine
 
