@@ -1,8 +1,10 @@
 """The markdown report of a benchmark run: its tables, what each contender and column means, the load, the notes.
 
-Every contender and column is defined under the table it appears in, so the
-report reads on its own; the load averages before and after the run, and the
-verdict on noise (``results.noise_reason``), head it.
+Every contender and column is defined once, after the tables, so the report
+reads on its own; the load averages before and after the run, and the verdict
+on noise (``results.noise_reason``), head it. The terminal gets the short form
+(``markdown_table(report, full=False)``): the tables and the contenders, about
+a screen for the default run.
 """
 
 from __future__ import annotations
