@@ -2,6 +2,7 @@
 
 import ctypes
 import io
+import json
 import mmap
 import os
 import platform
@@ -11,8 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import run_script
 
 from memshare._lifetime import _procfs
 from memshare._parent import _held_memory, _malloc
@@ -95,24 +96,43 @@ def test_doctor_says_which_malloc_it_found_and_how_it_knows():
     assert found[0].startswith("malloc: glibc ") and "mallinfo counted" in found[0] and "mmapped chunks" in found[0]
 
 
-def test_the_layout_of_glibc_mmapped_chunks_is_the_one_known_for_this_glibc():
-    layout = _held_memory.malloc_in_use().layout
+FRESH_CHUNKS = """
+import ctypes, json
+import numpy as np
+from memshare._parent import _held_memory, _malloc
+
+MIB = 1024**2
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = []
+for nbytes in (48 * MIB, 48 * MIB + 1, 40 * MIB - 24, 40 * MIB - 8):
+    block = libc.malloc(nbytes)
+    blocks.append([_malloc.chunk_layout(block), _held_memory.mmapped_chunk(block, nbytes)])
+    libc.free(ctypes.c_void_p(block))
+arrays = [np.empty(48 * MIB // 8) for _ in range(3)]  # neighbours: their mappings may merge in the maps
+print(json.dumps({"layout": _held_memory.malloc_in_use().layout, "blocks": blocks,
+                  "arrays": [_held_memory.mmapped_chunk(a.ctypes.data, a.nbytes) for a in arrays]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_chunks():
+    """What a fresh interpreter's large blocks and arrays are. In a long-lived one (the suite) glibc may serve
+    even 48 MiB from the top of a heap grown and freed before, whatever the mmap threshold: not a fresh process."""
+    return json.loads(run_script(FRESH_CHUNKS).stdout.strip().splitlines()[-1])
+
+
+def test_the_layout_of_glibc_mmapped_chunks_is_the_one_known_for_this_glibc(fresh_chunks):
+    layout = fresh_chunks["layout"]
+    assert layout == _held_memory.malloc_in_use().layout
     assert layout == LAYOUT_BY_GLIBC.get(glibc_version(), layout), (glibc_version(), layout)
     # A block of 48 MiB straight from glibc (above any mmap threshold, and never touched) is a chunk of its own.
-    for nbytes in (48 * MIB, 48 * MIB + 1, 40 * MIB - 24, 40 * MIB - 8):
-        block = _libc.malloc(nbytes)
-        try:
-            assert _malloc.chunk_layout(block) == layout
-            assert _held_memory.mmapped_chunk(block, nbytes) is None, nbytes
-        finally:
-            _libc.free(block)
+    assert fresh_chunks["blocks"] == [[layout, None]] * 4
 
 
-def test_a_fresh_large_array_is_a_chunk_of_its_own_mapping():
-    arrays = [np.empty(48 * MIB // 8) for _ in range(3)]  # neighbours: their mappings may merge in the maps
-    reasons = [_held_memory.mmapped_chunk(a.ctypes.data, a.nbytes) for a in arrays]
-    del arrays
-    assert reasons == [None, None, None]
+def test_a_fresh_large_array_is_a_chunk_of_its_own_mapping(fresh_chunks):
+    assert fresh_chunks["arrays"] == [None, None, None]
 
 
 @pytest.mark.parametrize("layout", [_malloc.WHOLE_MAPPING, _malloc.TRAILING_HEADER])
