@@ -28,6 +28,7 @@ import joblib
 import numpy as np
 import pytest
 
+from memshare._lifetime import _memfd
 from memshare._lifetime._owners import OWNER_DEAD, Owner, new_folder_name, parse_folder_name, process_start_time
 
 #: The ``return_as`` values of the installed joblib ("generator_unordered" appeared in joblib 1.4).
@@ -53,6 +54,18 @@ def default_location(monkeypatch):
     """No location or holding setting from the environment that runs the tests: memshare chooses itself."""
     for name in LOCATION_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(params=["memfd", "named"])
+def mechanism(request):
+    """Run a test with each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
+    previous = _memfd.decision()
+    if request.param == "named":
+        _memfd.set_decision_for_tests(False, "tests: named files")
+    elif not previous.in_memory:
+        pytest.skip(f"memfds are not usable here: {previous.reason}")
+    yield request.param
+    _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
 
 
 def without_location_settings(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:

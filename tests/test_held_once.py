@@ -125,18 +125,6 @@ def own_shared_kib():
     return total
 
 
-@pytest.fixture(params=["memfd", "named"])
-def mechanism(request):
-    """Run a test with each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
-    previous = _memfd.decision()
-    if request.param == "named":
-        _memfd.set_decision_for_tests(False, "tests: named files")
-    elif not previous.in_memory:
-        pytest.skip(f"memfds are not usable here: {previous.reason}")
-    yield request.param
-    _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
-
-
 def name_in_maps(path):
     """How a file shows in /proc/<pid>/maps: a memfd by its name, a named file by its path."""
     return os.readlink(path).split(" ")[0] if _memfd.is_memfd_path(path) else path

@@ -20,7 +20,7 @@ from conftest import without_location_settings
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._lifetime import _holdings, _memfd
+from memshare._lifetime import _holdings
 from memshare._tools import doctor as _doctor
 
 MIB = 1024**2
@@ -29,16 +29,10 @@ COUNT = 4
 ELEMENTS = 4 * MIB // 8
 
 
-@pytest.fixture(params=["memfd", "named"])
-def mechanism(request, default_location):
-    """Run a test with each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
-    previous = _memfd.decision()
-    if request.param == "named":
-        _memfd.set_decision_for_tests(False, "tests: named files")
-    elif not previous.in_memory:
-        pytest.skip(f"memfds are not usable here: {previous.reason}")
-    yield request.param
-    _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
+@pytest.fixture
+def mechanism(mechanism, default_location):
+    """conftest's ``mechanism``, where memshare chooses the location itself."""
+    return mechanism
 
 
 def _result_mappings() -> dict:

@@ -26,18 +26,6 @@ from memshare._transport import _identity, _mapping, _refs
 from memshare._transport._mapping import MappingCache
 
 
-@pytest.fixture(params=["memfd", "named"])
-def mechanism(request):
-    """Each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
-    previous = _memfd.decision()
-    if request.param == "named":
-        _memfd.set_decision_for_tests(False, "tests: named files")
-    elif not previous.in_memory:
-        pytest.skip(f"memfds are not usable here: {previous.reason}")
-    yield request.param
-    _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
-
-
 def _slow_backing(array, monkeypatch, **options):
     """find_backing with nothing on record: every fact from the file system, as before the records."""
     with monkeypatch.context() as patch:

@@ -58,16 +58,10 @@ def whole_or_die(x, i):
     return x
 
 
-@pytest.fixture(params=["memfd", "named"])
-def mechanism(request, default_location):
-    """Each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
-    previous = _memfd.decision()
-    if request.param == "named":
-        _memfd.set_decision_for_tests(False, "tests: named files")
-    elif not previous.in_memory:
-        pytest.skip(f"memfds are not usable here: {previous.reason}")
-    yield request.param
-    _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
+@pytest.fixture
+def mechanism(mechanism, default_location):
+    """conftest's ``mechanism``, where memshare chooses the location itself."""
+    return mechanism
 
 
 def own_files():

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import wait_until
-from test_held_once import big, mechanism  # noqa: F401 (a fixture)
+from test_held_once import big
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
