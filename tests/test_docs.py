@@ -254,3 +254,44 @@ def test_public_docstrings_have_numpydoc_sections():
             wanted.append("Parameters")
         missing += [f"{name}: {section}" for section in wanted if not re.search(rf"^{section}\n-+$", doc, re.M)]
     assert missing == []
+
+
+# Prose a reader takes in at once: the limits the manual and README keep to.
+LONGEST_SENTENCE_WORDS = 35
+LONGEST_CELL_CHARACTERS = 120
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\S)")
+# A paragraph ends at a blank line; a list item starts a paragraph of its own.
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )")
+
+
+def prose_problems(text: str) -> List[str]:
+    """Sentences and table cells of ``text`` (Markdown) longer than the limits above."""
+    text = _FENCE.sub("", text)
+    problems = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            problems += [
+                f"a table cell of {len(cell.strip())} characters: {cell.strip()[:60]}..."
+                for cell in line.strip("|").split("|")
+                if len(cell.strip()) > LONGEST_CELL_CHARACTERS
+            ]
+    for paragraph in _PARAGRAPH_BREAK.split(text):
+        if paragraph.lstrip().startswith("|"):
+            continue
+        for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
+            if len(sentence.split()) > LONGEST_SENTENCE_WORDS:
+                problems.append(f"a sentence of {len(sentence.split())} words: {sentence[:60]}...")
+    return problems
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda path: path.name)
+def test_pages_keep_to_short_sentences_and_cells(path):
+    assert prose_problems(path.read_text()) == []
+
+
+def test_prose_check_finds_a_long_sentence_a_long_cell_and_not_a_list():
+    sentence = " ".join(["word"] * (LONGEST_SENTENCE_WORDS + 1)) + "."
+    cell = "| " + "x" * (LONGEST_CELL_CHARACTERS + 1) + " | short |"
+    items = "\n".join(f"- item {i} has a few words." for i in range(10))
+    assert len(prose_problems(f"Intro.\n\n{sentence}\n\n{cell}\n\n{items}\n")) == 2
+    assert prose_problems(f"{items}\n\nShort. Another short one.\n") == []
