@@ -366,7 +366,7 @@ def _scan() -> Tuple[List[Use], List[Use]]:
     for path, module, tree in sources:
         scanner = _Scanner(path, module, tree, defined_in)
         scanner.visit(tree)
-        if module != f"memshare.{COMPAT}":  # the one module where both are expected
+        if module.split(".")[:2] != ["memshare", COMPAT]:  # the one package where both are expected
             foreign += scanner.foreign
             across += scanner.across
     return foreign, across
@@ -385,7 +385,7 @@ def memshare_privates_across_modules() -> List[Use]:
 def test_foreign_private_names_are_used_only_through_compat():
     uses = foreign_privates_outside_compat()
     assert not uses, (
-        "Private names of other libraries used outside memshare/_compat.py; give each a function "
+        "Private names of other libraries used outside memshare/_compat/; give each a function "
         "(or a hook) in _compat with its line of why and a CHECKS entry:\n" + "\n".join(map(str, uses))
     )
 
@@ -402,7 +402,7 @@ PROBE = """
 import multiprocessing.pool as mp_pool
 from joblib.parallel import _backend
 from concurrent.futures._base import Future
-from ._compat import _same
+from ._compat._processes import _same
 
 
 class Mine(mp_pool.Pool):
@@ -430,7 +430,9 @@ def test_the_scan_finds_each_kind_of_private_use():
     """The scan itself: each kind of use it promises to find, in a module made up for it."""
     tree = ast.parse(PROBE)
     module = "memshare._probe"
-    scanner = _Scanner(PACKAGE / "_probe.py", module, tree, {"_own": {module}, "_same": {"memshare._compat"}})
+    scanner = _Scanner(
+        PACKAGE / "_probe.py", module, tree, {"_own": {module}, "_same": {"memshare._compat._processes"}}
+    )
     scanner._runtime = types.ModuleType(module)
     scanner._runtime.__package__ = "memshare"
     exec(compile(tree, "_probe.py", "exec"), vars(scanner._runtime))  # noqa: S102
@@ -448,7 +450,7 @@ def test_the_scan_finds_each_kind_of_private_use():
         "_at_fork_reinit",  # an attribute no memshare module defines
         "_helper_reraises_exception",  # a private name of a foreign module
     }, [str(use) for use in scanner.foreign]
-    assert [use.name for use in scanner.across] == ["memshare._compat._same"]
+    assert [use.name for use in scanner.across] == ["memshare._compat._processes._same"]
 
 
 # -- the module table ------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 import memshare
 from memshare._payload import _broadcast
-from memshare._transport._refs import find_backing
+from memshare._transport._backing import find_backing
 
 pd = pytest.importorskip("pandas")
 

@@ -13,6 +13,7 @@ import types
 import pytest
 
 from memshare import _compat
+from memshare._compat import _probes
 from memshare._tools import doctor as _doctor
 
 
@@ -26,8 +27,8 @@ def test_an_attribute_that_no_method_uses_is_reported_missing():
         def __init__(self):
             self.present = 1
 
-    assert _compat._uses_attribute(Local, "present")
-    assert not _compat._uses_attribute(Local, "absent")
+    assert _probes.uses_attribute(Local, "present")
+    assert not _probes.uses_attribute(Local, "absent")
 
 
 def test_doctor_names_a_missing_internal_as_a_problem(monkeypatch):

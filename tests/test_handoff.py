@@ -366,7 +366,7 @@ def _two_views_while_the_parent_is_busy(busy: bool):
             raise BlockingIOError(errno.EAGAIN, "the parent cannot take descriptors now (test)")
 
         handoff.send_on = refuse  # this worker only: its pool ends with the test
-    from memshare._transport._refs import find_backing
+    from memshare._transport._backing import find_backing
 
     whole = memshare.share(np.arange(400_000, dtype=np.float64))  # both views above max_nbytes
     return whole[10:200_000], whole[150_000:], _memfd.is_memfd_path(find_backing(whole).path)

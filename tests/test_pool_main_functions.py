@@ -15,7 +15,9 @@ import types
 
 import pytest
 
-from memshare._payload._main_functions import MainFunction, MainFunctions, _module_bindings
+from memshare._payload._main_functions import MainFunctions
+from memshare._payload._main_script import module_bindings
+from memshare._payload._main_values import MainFunction
 
 SCRIPT = textwrap.dedent(
     """
@@ -189,7 +191,7 @@ def test_a_function_goes_as_its_name_and_comes_back_as_the_workers_own(script_ma
 def test_bindings_are_counted_wherever_the_module_binds_a_name():
     import ast
 
-    bindings = _module_bindings(
+    bindings = module_bindings(
         ast.parse(
             textwrap.dedent(
                 """
@@ -214,7 +216,7 @@ def test_bindings_are_counted_wherever_the_module_binds_a_name():
     assert bindings.count == {name: 1 for name in "adfhijklm"} | {"g": 2, "inner": 1}
     assert bindings.imports == {"a": [("module", "a")], "d": [("module", "c")], "f": [("from", "e", "f")]}
     assert not bindings.star_import
-    assert _module_bindings(ast.parse("from os import *")).star_import
+    assert module_bindings(ast.parse("from os import *")).star_import
 
 
 POOL_SCRIPT = textwrap.dedent(

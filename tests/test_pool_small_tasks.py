@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from memshare import MemmappingPool
-from memshare._payload._main_functions import MainFunction
-from memshare._payload._reducers import plain_call, plain_stream
+from memshare._payload._main_values import MainFunction
+from memshare._payload._plain import plain_call, plain_stream
 
 PLAIN_VALUES = [1, "a", None, 1.5, True, b"x", [1, 2, "x"], (1, (2, 3)), {"a": (1, 2)}, {1, 2}, frozenset({3}), [[[]]]]
 
@@ -81,7 +81,7 @@ def test_functions_of_importable_modules_make_plain_calls_only_while_their_name_
 
     import cloudpickle
 
-    from memshare._payload._reducers import plain_call
+    from memshare._payload._plain import plain_call
 
     assert plain_call(operator.add, (1, 2), {})  # a builtin function of a module
     assert plain_call(json.dumps, ("x",), {"indent": 2})

@@ -57,10 +57,10 @@ def test_preloading_memshare_keeps_the_users_modules_and_on_error():
 
 def test_memshare_pickles_with_protocol_5_whatever_the_default():
     """Python 3.14 made protocol 5 the default; memshare names it (out-of-band buffers need it) on every Python."""
-    from memshare._payload import _reducers
+    from memshare._payload import _plain
 
     for value in (b"x" * 10, [1, 2.5, "three"], {"a": (1, None)}):
-        assert _reducers.plain_stream(value)[:2] == b"\x80\x05"
+        assert _plain.plain_stream(value)[:2] == b"\x80\x05"
 
 
 RAW_FORK = """

@@ -2,7 +2,7 @@
 
 A shared array, a broadcast and a worker's input are mappings that
 ``_mapping.map_file`` made from an open descriptor: it records their file,
-and ``_refs.find_backing`` names that file from the record (no ``stat`` nor
+and ``_backing.find_backing`` names that file from the record (no ``stat`` nor
 ``readlink`` for a memfd this process holds; one ``stat`` otherwise). Here:
 the record gives the reference a full look would, it is not trusted when the
 path names another file or the array is gone, and repeated sends and receipts
@@ -22,16 +22,16 @@ import memshare
 from memshare._config import Settings
 from memshare._lifetime import _memfd
 from memshare._parent._session import Session
-from memshare._transport import _identity, _mapping, _refs
+from memshare._transport import _backing, _identity, _mapping
 from memshare._transport._mapping import MappingCache
 
 
 def _slow_backing(array, monkeypatch, **options):
     """find_backing with nothing on record: every fact from the file system, as before the records."""
     with monkeypatch.context() as patch:
-        patch.setattr(_refs, "_mapped_files", _identity.IdentityTable())
-        patch.setattr(_refs, "_found", _identity.IdentityTable())
-        return _refs.find_backing(array, **options)
+        patch.setattr(_backing, "_mapped_files", _identity.IdentityTable())
+        patch.setattr(_backing, "_found", _identity.IdentityTable())
+        return _backing.find_backing(array, **options)
 
 
 class _Calls:
@@ -63,26 +63,26 @@ def test_the_record_gives_the_reference_a_full_look_gives(mechanism, monkeypatch
     read_only = x[2:]
     read_only.flags.writeable = False
     for view in [*_views(x), read_only, shared._data]:
-        fast = _refs.find_backing(view)
+        fast = _backing.find_backing(view)
         assert fast is not None
         assert fast == _slow_backing(view, monkeypatch)
-        assert _refs.find_backing(view) == fast  # remembered: the same again
-    assert _refs.find_backing(read_only).mode == "r"
+        assert _backing.find_backing(view) == fast  # remembered: the same again
+    assert _backing.find_backing(read_only).mode == "r"
 
 
 def test_a_remembered_reference_follows_the_arrays_changes(monkeypatch):
     """Shape, strides, dtype and the writeable flag of an array can change in place: the reference follows."""
     x = memshare.zeros((4, 6), dtype=np.int32)
-    first = _refs.find_backing(x)
+    first = _backing.find_backing(x)
     x.shape = (6, 4)
-    assert _refs.find_backing(x) == _slow_backing(x, monkeypatch) != first
-    assert _refs.find_backing(x).shape == (6, 4)
+    assert _backing.find_backing(x) == _slow_backing(x, monkeypatch) != first
+    assert _backing.find_backing(x).shape == (6, 4)
     x.flags.writeable = False
-    assert _refs.find_backing(x).mode == "r"
-    assert _refs.find_backing(x) == _slow_backing(x, monkeypatch)
+    assert _backing.find_backing(x).mode == "r"
+    assert _backing.find_backing(x) == _slow_backing(x, monkeypatch)
     x.dtype = np.uint32
-    assert _refs.find_backing(x).dtype == np.uint32
-    assert _refs.find_backing(x) == _slow_backing(x, monkeypatch)
+    assert _backing.find_backing(x).dtype == np.uint32
+    assert _backing.find_backing(x) == _slow_backing(x, monkeypatch)
 
 
 def test_a_replaced_named_file_is_not_named(tmp_path, monkeypatch):
@@ -93,14 +93,14 @@ def test_a_replaced_named_file_is_not_named(tmp_path, monkeypatch):
         x = memshare.full((1000,), 7, dtype=np.int64)
     finally:
         _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
-    path = _refs.find_backing(x).path
+    path = _backing.find_backing(x).path
     other = f"{path}.other"
     with open(other, "wb") as new:
         new.write(np.zeros(1000, np.int64).tobytes())
     os.replace(other, path)
     # Found through the record, and with nothing on record: neither names the new file.
-    assert _refs.find_backing(x) is None
-    assert _refs.find_backing(x[10:]) is None
+    assert _backing.find_backing(x) is None
+    assert _backing.find_backing(x[10:]) is None
 
 
 def test_a_memfd_number_another_file_took_is_not_named():
@@ -108,17 +108,17 @@ def test_a_memfd_number_another_file_took_is_not_named():
     if not _memfd.decision().in_memory:
         pytest.skip("memfds are not usable here")
     x = memshare.full((1000,), 7, dtype=np.int64)
-    ref = _refs.find_backing(x)
+    ref = _backing.find_backing(x)
     number = int(ref.path.rsplit("/", 1)[1])
     _memfd.release(ref.path)  # x's mapping keeps the file; its path names nothing now
-    assert _refs.find_backing(x) is None
+    assert _backing.find_backing(x) is None
     other = os.memfd_create("memshare-shared-0123456789abcdef", os.MFD_CLOEXEC)  # often takes the number itself
     try:
         if other != number:
             os.dup2(other, number)
         assert os.stat(ref.path).st_ino != ref.inode
-        assert _refs.find_backing(x) is None
-        assert _refs.find_backing(x[1:]) is None
+        assert _backing.find_backing(x) is None
+        assert _backing.find_backing(x[1:]) is None
     finally:
         os.close(number)
         if other != number:
@@ -130,15 +130,15 @@ def test_a_memfd_number_another_file_took_is_not_named():
 
 def test_records_go_with_their_arrays():
     gc.collect()
-    before = len(_refs._found._items), len(_refs._mapped_files._items)
+    before = len(_backing._found._items), len(_backing._mapped_files._items)
     x = memshare.zeros((100,))
     view = x[5:]
-    assert _refs.find_backing(view) is not None
-    assert len(_refs._found._items) == before[0] + 1
-    assert len(_refs._mapped_files._items) == before[1] + 1
+    assert _backing.find_backing(view) is not None
+    assert len(_backing._found._items) == before[0] + 1
+    assert len(_backing._mapped_files._items) == before[1] + 1
     del x, view
     gc.collect()
-    assert (len(_refs._found._items), len(_refs._mapped_files._items)) == before
+    assert (len(_backing._found._items), len(_backing._mapped_files._items)) == before
 
 
 def test_a_shared_array_costs_no_system_call_per_task(monkeypatch):
@@ -166,17 +166,17 @@ def test_named_files_cost_one_stat_per_array(monkeypatch):
         x = memshare.zeros((1000,))
     finally:
         _memfd.set_decision_for_tests(previous.in_memory, previous.reason)
-    _refs.find_backing(x)
+    _backing.find_backing(x)
     calls = _Calls(monkeypatch)
     for _ in range(10):
-        assert _refs.find_backing(x) is not None
+        assert _backing.find_backing(x) is not None
     monkeypatch.undo()
     assert (calls.stat, calls.readlink) == (10, 0)
 
 
 def test_a_mapping_held_elsewhere_is_viewed_not_mapped_again(monkeypatch):
     x = memshare.full((1000,), 3.0)
-    ref = _refs.find_backing(x)
+    ref = _backing.find_backing(x)
     cache = MappingCache()
     made = []
     real = _mapping.map_file

@@ -29,7 +29,8 @@ from memshare._payload._routes import (
     result_route,
     view_in_dump,
 )
-from memshare._transport._refs import DUMP, SHARED, USER, find_backing
+from memshare._transport._backing import find_backing
+from memshare._transport._refs import DUMP, SHARED, USER
 
 LIMIT = 1024  # max_nbytes of these tests: arrays of more than 128 float64 are large
 LARGE = 1000

@@ -213,7 +213,7 @@ def test_a_memmap_is_sent_by_reference_only_while_its_path_names_its_file(tmp_pa
     # as one region; a region split by madvise sends the check to /proc/self/maps.
     import mmap
 
-    from memshare._transport._refs import find_backing
+    from memshare._transport._backing import find_backing
 
     path = tmp_path / "data.bin"
     np.full(4 * mmap.PAGESIZE, 1.0).tofile(path)

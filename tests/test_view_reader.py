@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memshare._payload._reducers import by_value, pack, unpack
+from memshare._payload._reducers import by_value, pack
+from memshare._payload._unpacking import unpack
 from memshare._payload._view_reader import ViewReader
 
 

@@ -20,8 +20,8 @@ from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
+from ._transport._backing import find_backing
 from ._transport._dumping import file_order
-from ._transport._refs import find_backing
 from ._transport._shared_store import new_shared_array
 
 ShapeLike = Union[int, Sequence[int]]

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
 from .._parent._session import Session
-from .._payload._main_functions import PLAIN_TYPES, MainFunctions
-from .._payload._reducers import unpack
+from .._payload._main_functions import MainFunctions
+from .._payload._main_values import PLAIN_TYPES
+from .._payload._unpacking import unpack
 from .._transport._protocol import Outcome, ResultSpec, Task
 from .._worker._run import run_task
 from ._dispatch import Dispatch, Unsent

@@ -21,7 +21,7 @@ from .._errors import RemoteTraceback
 from .._lifetime import _memfd
 from .._lifetime._folders import FolderPair
 from .._lifetime._holdings import note_mapping
-from .._payload._reducers import unpack
+from .._payload._unpacking import unpack
 from .._transport._handoff import Inbox
 from .._transport._mapping import array_from_ref, map_descriptor
 from .._transport._protocol import Outcome, Receive, Slot

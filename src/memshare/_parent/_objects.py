@@ -23,9 +23,11 @@ import numpy as np
 from .._compat import batched_calls
 from .._config import Settings
 from .._payload._broadcast import Broadcast
-from .._payload._main_functions import PLAIN_TYPES
-from .._payload._reducers import Reducers, Reduction, pack, with_objects
+from .._payload._envelope import with_objects
+from .._payload._main_values import PLAIN_TYPES
+from .._payload._reducers import Reducers, pack
 from .._payload._routes import PICKLE, Route, buffer_route, object_candidate, object_route
+from .._payload._unpacking import Reduction
 from .._transport._refs import ArrayRef
 from ._dumps import DumpTable
 
@@ -182,7 +184,7 @@ class ObjectPacker:
         the stream (``_routes`` decides, purely) weighs a placeholder, and so
         does each other candidate it reaches. The payload is final when no
         array or buffer left the stream: only the objects it names then
-        differ from the real one (see :func:`~memshare._payload._reducers.with_objects`).
+        differ from the real one (see :func:`~memshare._payload._envelope.with_objects`).
         """
         max_nbytes = self._carrier.settings.max_nbytes
         named: Set[int] = set()

@@ -27,7 +27,8 @@ from .._lifetime import _memfd
 from .._lifetime._folder_warnings import warn_fallback, warn_result_pickled
 from .._lifetime._holdings import held_bytes
 from .._lifetime._temp_folder import TempFolder
-from .._payload._reducers import Reducers, Reduction, input_reduction, own_input_reduction, pack, plain_call
+from .._payload._plain import plain_call
+from .._payload._reducers import Reducers, pack
 from .._payload._routes import (
     DUMP_BASE,
     OWN_DUMP,
@@ -38,6 +39,7 @@ from .._payload._routes import (
     input_route,
     view_in_dump,
 )
+from .._payload._unpacking import Reduction, input_reduction, own_input_reduction
 from .._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_decision, logger, record_finished
 from .._transport._handoff import Inbox
 from .._transport._identity import IdentityTable

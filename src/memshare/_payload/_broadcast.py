@@ -33,8 +33,9 @@ import cloudpickle
 import numpy as np
 
 from .. import _forksafe
+from .._transport._backing import find_backing, mapped_file
 from .._transport._mapping import array_from_ref, forget_mapping
-from .._transport._refs import SHARED, ArrayRef, find_backing, is_file, mapped_file
+from .._transport._refs import SHARED, ArrayRef, is_file
 from .._transport._shared_store import new_shared_array
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ chose for it:
 
 * task arguments, in the parent: the session decides each array's route
   (see ``_routes``) and reduces arrays that live in a file to
-  :func:`input_reduction`, which the worker maps on unpickling; the rest
+  :func:`~._unpacking.input_reduction`, which the worker maps on unpickling; the rest
   are pickled.
 * a worker's result policy (``_result_policy``), for return values: views
   of the user's own file mappings come back as references to the same
@@ -28,8 +28,8 @@ packing goes to the sender's *buffer reducer* (``reduce_buffer``), which
 keeps it in the stream or stands for it with a placeholder: a dump's
 ``ArrayRef`` for task arguments (the session writes it once per call), a
 slot number for results (the result policy writes it to a result file). The
-payload is then an *envelope*: the placeholders, then the stream, which the
-receiver unpickles with ``buffers=`` views of those mappings (:func:`unpack`),
+payload is then an *envelope* (``_envelope``): the placeholders, then the stream, which the
+receiver unpickles with ``buffers=`` views of those mappings (``_unpacking.unpack``),
 with no copy: read-only for arguments (unless the call maps writable), as
 pyarrow expects of immutable data. pandas' Arrow-backed arrays are pickled
 through their chunked array as it is (:func:`_arrow_column_reduction`), not
@@ -41,39 +41,28 @@ pickle out of band.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import io
 import marshal
 import pickle
-import struct
 import sys
 import types
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
 
 from .._compat import pandas_array_state
-from .._transport._mapping import array_from_ref
-from .._transport._protocol import ResultSpec, Slot
+from .._transport._protocol import ResultSpec
 from .._transport._refs import ArrayRef
 from ._broadcast import Broadcast
-from ._main_functions import PLAIN_TYPES, MainFunction
+from ._envelope import seal
 from ._polars import classes as polars_classes
 from ._polars import reduction as polars_reduction
 from ._torch import argument_array as torch_argument_array
 from ._torch import reduction as torch_reduction
 from ._torch import result_array as torch_result_array
 from ._torch import tensor_class
-from ._view_reader import ViewReader
-
-#: Bytes of a payload: ``bytes``, or a view of a mapped file.
-Buffer = Union[bytes, memoryview, np.ndarray]
-
-#: A pickle reduction, as ``__reduce__`` returns it: (callable, arguments).
-Reduction = Tuple[Callable[..., Any], tuple]
-
+from ._unpacking import Reduction, copy_on_write
 
 #: Extra reducers a user gives: exact type -> function returning ``(constructor, args)``, as ``copyreg`` takes.
 Reducers = Mapping[type, Callable[[Any], Any]]
@@ -81,12 +70,6 @@ Reducers = Mapping[type, Callable[[Any], Any]]
 #: The sender's decision for one buffer pickle offers out of band: what stands
 #: for it in the envelope (an ``ArrayRef`` or a slot number), or None to keep it in the stream.
 ReduceBuffer = Callable[[pickle.PickleBuffer], Optional[Any]]
-
-# A payload with out-of-band buffers starts with this, then the length of the
-# pickled placeholders, the placeholders, and the stream. A pickle of
-# protocol 2 or more starts with PROTO (0x80): no plain stream starts like this.
-_ENVELOPE = b"memshare-buffers\x00"
-_HEADER_LENGTH = struct.Struct("<Q")
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -117,7 +100,7 @@ class _Pickler(cloudpickle.Pickler):
             reduced = self._reduce_array(obj)
             if reduced is not None:
                 if self._tensor_arrays and self._tensor_arrays.get(id(obj)) is obj:
-                    return _copy_on_write(reduced)
+                    return copy_on_write(reduced)
                 return reduced
             if type(obj) is np.memmap:
                 # A memmap that is not shared as a file must not be rebuilt as
@@ -153,15 +136,6 @@ class _Pickler(cloudpickle.Pickler):
         if array is not None:
             self._tensor_arrays[id(array)] = array
         return array
-
-
-def _copy_on_write(reduced: Reduction) -> Reduction:
-    """A tensor's reference mapped copy-on-write where the call maps read-only: torch cannot take read-only memory."""
-    rebuild, args = reduced
-    own = rebuild in (_rebuild_input, _rebuild_own)
-    if own and len(args) == 1 and isinstance(args[0], ArrayRef) and args[0].mode == "r":
-        return rebuild, (dataclasses.replace(args[0], mode="c"),)
-    return reduced
 
 
 def _code_reduction(code: types.CodeType) -> Any:
@@ -297,7 +271,7 @@ def pack(
     ``objects`` are (object, placeholder) pairs of argument objects pickled
     on their own (see ``_session``): wherever the stream meets one of these
     objects, it names its placeholder instead (the ``ArrayRef`` of the dump of
-    its payload), which :func:`unpack` turns back into one object;
+    its payload), which ``_unpacking.unpack`` turns back into one object;
     ``on_object`` is told the index of each one met. ``on_arrow`` is told
     each Arrow object (array, chunked array, record batch, table) met, before
     its buffers are offered.
@@ -324,288 +298,7 @@ def pack(
     pickler.dump(obj)
     if not placeholders and not objects:
         return buffer.getvalue()
-    header = pickle.dumps((placeholders, [placeholder for _, placeholder in objects]), protocol=5)
-    return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header)), header, buffer.getbuffer()))
-
-
-def plain_call(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
-    """True when a call holds nothing for memshare's pickler to route: a function sent by name (one of
-    ``__main__`` the workers have, see ``_main_functions``, or one of an importable module) with arguments of
-    plain types only, whose stream the standard pickler makes alike.
-
-    Without custom reducers (the caller checks), such a call is a small
-    task of a pool, which then costs what the standard pool's costs.
-    """
-    if type(args) is not tuple or not (type(func) is MainFunction or _importable_by_name(func)):
-        return False
-    for arg in args:
-        if type(arg) not in PLAIN_TYPES:
-            return False
-    return not kwargs or (type(kwargs) is dict and all(type(value) in PLAIN_TYPES for value in kwargs.values()))
-
-
-def _importable_by_name(func: Any) -> bool:
-    """True when cloudpickle, as the standard pickler, pickles ``func`` as a reference to its importable name.
-
-    A plain function or a builtin function of a module, reached now from
-    its module by its qualified name (checked at every call: a module
-    attribute may be rebound), whose module is not one the user asked
-    cloudpickle to send by value.
-    """
-    kind = type(func)
-    if kind is types.BuiltinFunctionType:
-        if not isinstance(getattr(func, "__self__", None), types.ModuleType):
-            return False  # a bound method of an object: pickling it pickles the object
-    elif kind is not types.FunctionType:
-        return False
-    module_name = getattr(func, "__module__", None)
-    if not module_name or module_name == "__main__":
-        return False
-    by_value = cloudpickle.list_registry_pickle_by_value()
-    if by_value and any(module_name == name or module_name.startswith(name + ".") for name in by_value):
-        return False
-    found: Any = sys.modules.get(module_name)
-    for part in func.__qualname__.split("."):
-        found = getattr(found, part, None)
-    return found is func
-
-
-class _NotPlain(Exception):
-    pass
-
-
-class _PlainPickler(pickle.Pickler):
-    """The standard pickler, stopped at the first object that is not a builtin container or a plain value.
-
-    The pickler handles ``None``, booleans, ints, floats, strings, bytes,
-    lists, tuples, dicts and sets itself, without asking ``reducer_override``:
-    it is asked of every other object (an array, a class instance), and the
-    buffer callback of every out-of-band buffer.
-    """
-
-    def reducer_override(self, obj: Any) -> Any:
-        raise _NotPlain
-
-
-def _refuse_buffer(buffer: pickle.PickleBuffer) -> bool:
-    raise _NotPlain
-
-
-def plain_stream(value: Any) -> Optional[bytes]:
-    """``value`` pickled when it holds only builtin containers and plain values, for which the standard
-    pickler makes the stream memshare's would; else None.
-
-    No array or buffer is in it, and no reducer applies to it: the pickler
-    asks none for these types (a ``complex`` goes through ``reducer_override``,
-    so it is not plain here). A small task's return value then costs no
-    result policy and no pass of memshare's pickler, whose ``persistent_id``
-    runs for every object.
-    """
-    kind = type(value)
-    if kind in PLAIN_TYPES and kind is not complex:
-        return pickle.dumps(value, protocol=5)
-    buffer = io.BytesIO()
-    try:
-        _PlainPickler(buffer, protocol=5, buffer_callback=_refuse_buffer).dump(value)
-    except Exception:  # _NotPlain, or anything the full pass will report properly
-        return None
-    return buffer.getvalue()
-
-
-def with_objects(payload: bytes, placeholders: Sequence[Any]) -> bytes:
-    """``payload`` (packed with ``objects``) with the objects it names standing for ``placeholders`` instead.
-
-    The stream names objects by index: only the envelope's list changes, so
-    a payload measured with stand-ins can be sent without pickling it again.
-    """
-    header, body = _open_envelope(payload)
-    if header is None:
-        raise ValueError("memshare: this payload names no objects")
-    buffers, _ = header
-    header_bytes = pickle.dumps((buffers, list(placeholders)), protocol=5)
-    return b"".join((_ENVELOPE, _HEADER_LENGTH.pack(len(header_bytes)), header_bytes, body))
-
-
-def _open_envelope(stream: Buffer) -> Tuple[Optional[Tuple[List[Any], List[Any]]], Union[bytes, memoryview]]:
-    """((buffer placeholders, object placeholders), stream) of a payload; None for a plain stream."""
-    if type(stream) is bytes and not stream.startswith(_ENVELOPE):
-        return None, stream  # most payloads: no view to make
-    view = memoryview(stream).cast("B")
-    if view[: len(_ENVELOPE)] != _ENVELOPE:
-        return None, view
-    start = len(_ENVELOPE) + _HEADER_LENGTH.size
-    (length,) = _HEADER_LENGTH.unpack_from(view, len(_ENVELOPE))
-    return pickle.loads(view[start : start + length]), view[start + length :]
-
-
-#: In the parent: the array of one slot of an outcome (see ``_adopt``).
-LoadSlot = Callable[[Slot], np.ndarray]
-
-
-#: In a worker: the (device, inode) of each file the parent gave the task as its own and no worker writes.
-Given = Set[Tuple[int, int]]
-
-
-def unpack(
-    stream: Buffer,
-    slots: Sequence[Slot] = (),
-    load_slot: Optional[LoadSlot] = None,
-    loaded_objects: Optional[Dict[Any, Any]] = None,
-    given: Optional[Given] = None,
-) -> Any:
-    """Unpickle a payload; ``slots`` says where the arrays it names by slot number are.
-
-    ``load_slot`` turns a slot into its array (needed when ``slots`` is not
-    empty); each slot is loaded once however often the stream names it.
-
-    The out-of-band buffers of an envelope are rebuilt over their mappings:
-    a task argument's dump mapped through the worker's cache (read-only
-    unless the call's mode says otherwise), a result's slot loaded like any
-    other. The buffers are views of those mappings, no copy; each keeps its
-    mapping alive. The argument objects it names are unpickled from their
-    dumps, each once per ``loaded_objects`` (one table per task, shared with
-    the payloads of those objects). ``given``, in a worker, collects the
-    files the parent sent as its own (see :func:`own_input_reduction`).
-    """
-    header, body = _open_envelope(stream)
-    if not slots and header is None and (given is None or (type(body) is bytes and _OWN_NAME not in body)):
-        return pickle.loads(body)  # no file of the sender's own can be met: pickle names its rebuilder
-    slot = _Slots(slots, load_slot)
-    buffers, objects = None, None
-    if header is not None:
-        placeholders, object_placeholders = header
-        # An argument's buffers are the session's own dumps (or kept buffers), like its arrays'.
-        rebuild = _rebuild_input if given is None else functools.partial(_rebuild_given, given)
-        buffers = [memoryview(rebuild(p) if isinstance(p, ArrayRef) else slot(p)) for p in placeholders]
-        objects = _Objects(object_placeholders, {} if loaded_objects is None else loaded_objects)
-    # A bytes body is shared by BytesIO; a view (a mapped dump) is read in place, not copied.
-    file = io.BytesIO(body) if type(body) is bytes else ViewReader(body)
-    if given is not None:
-        return _GivenUnpickler(file, slot, buffers, objects, given).load()
-    return _SlotUnpickler(file, slot, buffers, objects).load()
-
-
-class _Slots:
-    """The arrays of an outcome's slots, each loaded once however often it is named: one array, one object."""
-
-    def __init__(self, slots: Sequence[Slot], load_slot: Optional[LoadSlot]) -> None:
-        self._slots = slots
-        self._load_slot = load_slot
-        self._loaded: Dict[int, np.ndarray] = {}
-
-    def __call__(self, pid: Any) -> np.ndarray:
-        if not isinstance(pid, int) or not 0 <= pid < len(self._slots):
-            raise pickle.UnpicklingError(f"memshare: a result names slot {pid!r}, which the outcome does not have")
-        if pid not in self._loaded:
-            if self._load_slot is None:
-                raise ValueError("memshare: unpack was given slots and no load_slot to load them")
-            self._loaded[pid] = self._load_slot(self._slots[pid])
-        return self._loaded[pid]
-
-
-class _Objects:
-    """The argument objects a payload names, each unpickled once per task from its dump or its own payload.
-
-    ``loaded`` is the task's, shared by the payloads of its objects (an
-    object's payload may name another object): an object that the task's
-    arguments reach from several places is one object in the worker, as
-    pickle's memo makes it within one stream. Each task unpickles its own:
-    a task that changes an argument object changes its own copy only. A
-    placeholder is the ``ArrayRef`` of a dump (keyed by its path), or, in a
-    task's own envelope only, the object's payload itself (keyed by its
-    index there: two equal payloads are still two objects).
-    """
-
-    def __init__(self, placeholders: Sequence[Union[ArrayRef, bytes]], loaded: Dict[Any, Any]) -> None:
-        self._placeholders = placeholders
-        self._loaded = loaded  # dump path, or ("inline", index) -> the object unpickled from it in this task
-
-    def __call__(self, index: int) -> Any:
-        placeholder = self._placeholders[index]
-        key = placeholder.path if isinstance(placeholder, ArrayRef) else ("inline", index)
-        if key not in self._loaded:
-            # The dump of the object's payload, mapped read-only through the worker's cache; or the payload.
-            payload = _rebuild_input(placeholder) if isinstance(placeholder, ArrayRef) else placeholder
-            # Not ``given``: the dumps an object's payload names are the object's (its dump keeps them), not
-            # the task's, so the parent would not find them among the task's files.
-            self._loaded[key] = unpack(payload, loaded_objects=self._loaded)
-        return self._loaded[key]
-
-
-class _SlotUnpickler(pickle.Unpickler):
-    """Turns slot numbers and argument objects of the stream into their values; buffers come from ``buffers``."""
-
-    def __init__(
-        self,
-        file: Union[io.BytesIO, ViewReader],
-        slot: _Slots,
-        buffers: Optional[List[memoryview]],
-        objects: Optional[_Objects] = None,
-    ) -> None:
-        super().__init__(file, buffers=buffers)
-        self._slot = slot
-        self._objects = objects
-
-    def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is tuple and self._objects is not None:
-            return self._objects(pid[1])
-        return self._slot(pid)
-
-
-class _GivenUnpickler(_SlotUnpickler):
-    """A worker's unpickler of a task: notes in ``given`` each file the parent sent as its own."""
-
-    def __init__(
-        self,
-        file: Union[io.BytesIO, ViewReader],
-        slot: _Slots,
-        buffers: Optional[List[memoryview]],
-        objects: Optional[_Objects],
-        given: Given,
-    ) -> None:
-        super().__init__(file, slot, buffers, objects)
-        self._given = given
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name)
-        if found is _rebuild_own:
-            return functools.partial(_rebuild_given, self._given)
-        return found
-
-
-def _rebuild_input(ref: ArrayRef) -> np.memmap:
-    """In a worker: the shared array, mapped through the process's cache."""
-    return array_from_ref(ref, cached=True)
-
-
-def _rebuild_own(ref: ArrayRef) -> np.memmap:
-    """In a worker: an array in a file of the parent's own (see :func:`own_input_reduction`)."""
-    return array_from_ref(ref, cached=True)
-
-
-def _rebuild_given(given: Given, ref: ArrayRef) -> np.memmap:
-    """:func:`_rebuild_own`, noting the file in ``given`` when no worker writes it (read-only, copy-on-write)."""
-    if ref.mode in ("r", "c"):
-        given.add((ref.device, ref.inode))
-    return array_from_ref(ref, cached=True)
-
-
-def input_reduction(ref: ArrayRef) -> Reduction:
-    """How a task argument found in the file at ``ref`` is pickled: the worker maps it on unpickling."""
-    return _rebuild_input, (ref,)
-
-
-#: What a stream that rebuilds a file of the sender's own holds: the name of the rebuilder.
-_OWN_NAME = _rebuild_own.__name__.encode()
-
-
-def own_input_reduction(ref: ArrayRef) -> Reduction:
-    """:func:`input_reduction` for a file of the sender's own (its dump, an array held once).
-
-    The sender keeps such a file until the task's outcome is restored, so a
-    result that views it can come back as that file (``_routes.INPUT_FILE``).
-    """
-    return _rebuild_own, (ref,)
+    return seal(placeholders, [placeholder for _, placeholder in objects], buffer.getbuffer())
 
 
 def by_value(array: np.ndarray) -> None:
@@ -630,19 +323,10 @@ def pack_result(value: Any, policy: ResultSlots, reducers: Optional[Reducers] = 
 
 
 __all__ = [
-    "LoadSlot",
     "Reducers",
     "ReduceBuffer",
-    "Reduction",
     "ResultSlots",
-    "Given",
     "by_value",
-    "input_reduction",
-    "own_input_reduction",
     "pack",
     "pack_result",
-    "plain_call",
-    "plain_stream",
-    "unpack",
-    "with_objects",
 ]

@@ -18,19 +18,9 @@ from typing import Any, Callable, Container, Optional
 import numpy as np
 
 from .._config import over_max_nbytes
-from .._transport._refs import (
-    DUMP,
-    HELD,
-    SHARED,
-    USER,
-    ArrayRef,
-    data_address,
-    find_backing,
-    is_copy_on_write,
-    maps_privately,
-    root_array,
-)
-from ._main_functions import PLAIN_TYPES
+from .._transport._backing import find_backing, is_copy_on_write, maps_privately
+from .._transport._refs import DUMP, HELD, SHARED, USER, ArrayRef, data_address, root_array
+from ._main_values import PLAIN_TYPES
 
 # Arguments (input_route):
 #: In the stream, by value: small arrays, object dtypes, empty arrays.

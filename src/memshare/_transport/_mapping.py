@@ -46,7 +46,8 @@ import numpy as np
 from .. import _forksafe
 from .._compat import set_memmap_owner
 from .._lifetime import _memfd, _procfs
-from ._refs import USER, ArrayRef, MappedFile, is_file, kind_of_path, note_mapped_file
+from ._backing import MappedFile, note_mapped_file
+from ._refs import USER, ArrayRef, is_file, kind_of_path
 
 PRUNE_INTERVAL = 0.05  # seconds between checks for deleted files while the cache is not empty
 #: The pruner sleeps at least this many times what its last check took: stat-ing thousands of
@@ -114,7 +115,7 @@ class _Mapping:
     # Weakly referable: the parent counts what an adopted result keeps alive until it is unmapped.
     __slots__ = ("address", "length", "__array_interface__", "_munmap", "__weakref__")
 
-    #: Tells ``_refs.find_backing`` that arrays over this object map a file (as over an ``mmap.mmap``).
+    #: Tells ``_backing.find_backing`` that arrays over this object map a file (as over an ``mmap.mmap``).
     maps_file = True
 
     def __init__(self, address: int, length: int, writable: bool, munmap: Callable[..., Any]) -> None:

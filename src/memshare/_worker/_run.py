@@ -20,7 +20,9 @@ import numpy as np
 from .._errors import UnpicklableResultError
 from .._lifetime._owners import process_start_time
 from .._payload._broadcast import prune_received
-from .._payload._reducers import Given, Reducers, by_value, pack, pack_result, plain_stream, unpack
+from .._payload._plain import plain_stream
+from .._payload._reducers import Reducers, by_value, pack, pack_result
+from .._payload._unpacking import Given, unpack
 from .._transport._mapping import prune_mappings
 from .._transport._protocol import Failure, Outcome, Task
 from .._transport._refs import USER, kind_of_path

@@ -1,0 +1,157 @@
+"""multiprocessing's and threading's private names: the pool's hooks and state, the fork server, lock resets."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver as _mp_forkserver
+import multiprocessing.pool as _mp_pool
+import threading
+import time
+import warnings
+from typing import Any, Callable, Mapping, Optional
+
+from ._probes import takes_parameter
+
+
+def preload_in_fork_server(module: str) -> None:
+    """Have the fork server import ``module`` when it starts, besides the modules already asked for.
+
+    ``multiprocessing.set_forkserver_preload`` only replaces the list, which
+    is private: read it to keep what the user set. From 3.15 the call also
+    sets what to do when a module fails to import (``on_error``), back to its
+    default unless given: the user's choice is read and passed on. Once the
+    server runs, the list no longer matters and is left alone.
+    """
+    server = getattr(_mp_forkserver, "_forkserver", None)
+    modules = getattr(server, "_preload_modules", None)
+    if not isinstance(modules, list) or module in modules or getattr(server, "_forkserver_pid", None) is not None:
+        return
+    on_error = getattr(server, "_preload_on_error", None)
+    _mp_forkserver.set_forkserver_preload([*modules, module], **({} if on_error is None else {"on_error": on_error}))
+
+
+def pool_workers(pool: _mp_pool.Pool) -> list:
+    """The live list of ``pool``'s worker processes: the pool's thread adds and drops them in place."""
+    return getattr(pool, "_pool", [])
+
+
+def pending_results(pool: _mp_pool.Pool) -> Mapping:
+    """The live table of ``pool``'s results that have not completed (its values are the result objects)."""
+    return getattr(pool, "_cache", {})
+
+
+def pool_size(pool: _mp_pool.Pool) -> int:
+    """The number of worker processes ``pool`` keeps."""
+    return int(getattr(pool, "_processes", 1) or 1)
+
+
+def fail_pool_result(result: Any, error: BaseException) -> None:
+    """Complete a pending pool result with ``error``, as the pool's result thread would.
+
+    The standard result objects have no public way to fail them; ``_set`` is
+    what the result thread calls, with the same arguments.
+    """
+    try:
+        if isinstance(result, _mp_pool.IMapIterator):
+            index = result._index
+            result._set(index, (False, error))
+            result._set_length(index + 1)
+        elif isinstance(result, _mp_pool.MapResult):
+            while not result.ready():
+                result._set(0, (False, error))
+        elif isinstance(result, _mp_pool.ApplyResult):
+            result._set(0, (False, error))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        pass  # finished concurrently, or a Python without these names
+
+
+def _same(message: Any) -> Any:
+    return message
+
+
+def _no_warning(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+class PoolWithHooks(_mp_pool.Pool):
+    """``multiprocessing.Pool`` with the private hooks memshare overrides, offered as an argument.
+
+    Every message from the workers passes through ``message_filter``, on the
+    pool's result thread, before the standard machinery sees it. That thread
+    keeps the function as long as it runs, so the function must not hold the
+    pool. Its worker thread wakes for worker exits and pool changes only, not
+    for every result. ``terminate()`` drains the task queue without waiting
+    forever for its lock. An unclosed running pool, collected, warns once, naming its class.
+    """
+
+    def __init__(self, *args: Any, message_filter: Callable[[Any], Any] = _same, **kwargs: Any) -> None:
+        self._message_filter = message_filter  # before Pool.__init__: _setup_queues reads it
+        super().__init__(*args, **kwargs)
+
+    def _setup_queues(self) -> None:
+        # Pool reads _quick_get right after this call, to hand it to its result thread.
+        super()._setup_queues()
+        receive, restore = self._quick_get, self._message_filter
+
+        def receive_and_restore() -> Any:
+            return restore(receive())
+
+        self._quick_get = receive_and_restore
+
+    def _get_sentinels(self) -> list:
+        # Pool's worker thread waits on these and on the workers' sentinels, then polls every worker.
+        # The standard list has the result pipe's read end, ready from when a worker writes a result
+        # until the result thread reads it: with small tasks that thread spins a few times per task,
+        # taking the CPU and the GIL from the threads that feed and restore them. Worker exits wake it
+        # through their sentinels; close(), terminate() and an emptied cache through the change
+        # notifier, which is all ThreadPool waits on.
+        reader = getattr(getattr(self, "_change_notifier", None), "_reader", None)
+        return [reader] if reader is not None else super()._get_sentinels()
+
+    @staticmethod
+    def _help_stuff_finish(inqueue: Any, task_handler: threading.Thread, size: int) -> None:
+        # Pool.terminate drains the task queue under its read lock. A worker
+        # killed while waiting for a task never released that lock, and the
+        # standard pool would then hang forever here; the workers are being
+        # terminated anyway, so give up on draining after a moment.
+        drain_task_queue(inqueue, task_handler, lock_timeout=1.0)
+
+    def __del__(self) -> None:
+        # Pool.__del__ reads attributes that do not exist when __init__
+        # rejected its arguments before the pool was set up.
+        if "_state" not in vars(self):
+            return
+        if self._state == _mp_pool.RUN:
+            message = f"unclosed running {type(self).__name__} {self!r}"
+            warnings.warn(message, ResourceWarning, stacklevel=1, source=self)
+        if _POOL_DEL_TAKES_WARN:
+            super().__del__(_warn=_no_warning)  # the rest of what it does: wake the pool's worker thread
+        else:
+            super().__del__()
+
+
+_POOL_DEL_TAKES_WARN = takes_parameter(_mp_pool.Pool.__del__, "_warn")
+
+
+def drain_task_queue(inqueue: Any, task_handler: threading.Thread, lock_timeout: float = 1.0) -> None:
+    """Drain a pool's task queue as ``Pool._help_stuff_finish`` does, without hanging.
+
+    The standard version waits forever for the queue's read lock, which a
+    worker killed while waiting for a task never releases.
+    """
+    rlock: Optional[Any] = getattr(inqueue, "_rlock", None)
+    reader = getattr(inqueue, "_reader", None)
+    if rlock is None or reader is None or not rlock.acquire(timeout=lock_timeout):
+        return
+    while task_handler.is_alive() and reader.poll():
+        reader.recv()
+        time.sleep(0)
+
+
+# -- threading -----------------------------------------------------------------
+
+
+def reinit_lock(lock: Any) -> None:
+    """Make ``lock`` unlocked and usable again in a forked child (the standard library's own reset)."""
+    reinit = getattr(lock, "_at_fork_reinit", None)
+    if reinit is not None:
+        reinit()
