@@ -11,7 +11,7 @@ import time
 MIB = 1 << 20
 PRIVATE = 96 * MIB  # bytes(...) of this size: pages really touched, then freed
 SHARED = 48 * MIB  # a memfd filled, held a moment, then closed
-PAUSE = 0.1
+PAUSE = 0.5  # seconds between steps: a neighbour that churns memory, not one that takes a core
 
 
 def main() -> None:

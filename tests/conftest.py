@@ -56,7 +56,12 @@ def default_location(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture(params=["memfd", "named"])
+# Named files differ from memfds only in how a file is made and found (os.open in a private folder): the same
+# calls on every Python, so their runs are version-independent, while memfds run in every environment.
+NAMED = pytest.param("named", marks=pytest.mark.version_independent)
+
+
+@pytest.fixture(params=["memfd", NAMED])
 def mechanism(request):
     """Run a test with each kind of shared memory: memfds (the default on Linux) and named files in /dev/shm."""
     previous = _memfd.decision()

@@ -26,10 +26,15 @@ from conftest import process_tree, run_script, wait_until, without_location_sett
 from memshare._lifetime._owners import Owner, new_folder_name
 from memshare._lifetime._sweep import sweep_dead_owners
 from memshare._lifetime._watchdog import loky_semaphores
+from memshare._transport._backing import find_backing
 from memshare._transport._mapping import MappingCache, array_from_ref, map_file
-from memshare._transport._refs import find_backing
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux")
+# Version-independent (thousands of arrays, descriptor limits and caches: a soak of memshare's own bookkeeping): run
+# in CI's whole-suite environments only.
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux"),
+    pytest.mark.version_independent,
+]
 
 #: A user's case: 3000 arrays of 128 KiB, 375 per task, under ``ulimit -n`` 1024 (soft and hard).
 BREADTH_SCRIPT = """
@@ -79,7 +84,6 @@ if __name__ == "__main__":
     [{}, {"MEMSHARE_MEMFD": "0"}, {"MEMSHARE_PROMOTE": "0"}],
     ids=["default", "memfd-off", "hold-once-off"],
 )
-@pytest.mark.version_independent
 def test_thousands_of_arrays_under_a_hard_limit_of_1024_descriptors(tmp_path, env):
     script = tmp_path / "breadth.py"
     script.write_text(BREADTH_SCRIPT)
@@ -215,7 +219,7 @@ from memshare._lifetime import _memfd
 
 arrays = [memshare.zeros(1024) for _ in range(700)]
 print("held", _memfd.held_count(), "budget", _memfd.budget(), "soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-named = sum(1 for a in arrays if not _memfd.is_memfd_path(memshare._transport._refs.find_backing(a).path))
+named = sum(1 for a in arrays if not _memfd.is_memfd_path(memshare._transport._backing.find_backing(a).path))
 print("named", named)
 """
 
@@ -288,7 +292,6 @@ def _start_and_kill(tmp_path, spare_watchdog: bool):
     return everyone, watchdogs
 
 
-@pytest.mark.version_independent
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_killing_every_process_then_clean_leaves_nothing_named_after_them(tmp_path):
     everyone, _ = _start_and_kill(tmp_path, spare_watchdog=False)

@@ -18,6 +18,10 @@ from conftest import without_location_settings
 
 from memshare._lifetime._owners import Owner, host_identity, new_folder_name, pid_namespace, process_start_time
 
+# Version-independent (the command-line tools over folders and processes: the kernel and memshare alone): run in CI's
+# whole-suite environments only.
+pytestmark = pytest.mark.version_independent
+
 MIB = 1024 * 1024
 
 
@@ -132,7 +136,6 @@ def test_clean_never_removes_live_owner(base):
     assert elsewhere and int(elsewhere.group(1)) == 1, result.stdout
 
 
-@pytest.mark.version_independent
 def test_doctor_flags_small_shm(base, small_tmpfs):
     result = run_cli("doctor", "--shm", small_tmpfs, base=base)
     assert result.returncode == 1, result.stdout
@@ -140,7 +143,6 @@ def test_doctor_flags_small_shm(base, small_tmpfs):
     assert "PROBLEM:" in result.stdout and "OK:" not in result.stdout
 
 
-@pytest.mark.version_independent
 def test_doctor_and_clean_search_the_shm_option(base, small_tmpfs):
     leftover = make_folder(small_tmpfs, dead_owner(), nbytes=60 * MIB)
     result = run_cli("doctor", "--shm", small_tmpfs, "--need", "1K", base=base)

@@ -11,6 +11,9 @@ import pytest
 import memshare
 from memshare.__main__ import invoked_name
 
+# Version-independent (the command-line tools' names and help): run in CI's whole-suite environments only.
+pytestmark = pytest.mark.version_independent
+
 
 def run(command: list) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -32,6 +32,10 @@ from conftest import run_script
 import memshare
 from memshare.backend import MemshareBackend
 
+# Version-independent (the manual and README: their prose, tables and examples, whose API paths the unit tests cover
+# everywhere): run in CI's whole-suite environments only.
+pytestmark = pytest.mark.version_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]

@@ -6,6 +6,10 @@ import sys
 
 import pytest
 
+# Version-independent (the example scripts, whose API paths the unit tests cover everywhere): run in CI's whole-suite
+# environments only.
+pytestmark = pytest.mark.version_independent
+
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
 

@@ -27,6 +27,10 @@ from memshare import Parallel, SharedMemoryFallbackWarning, delayed
 from memshare._lifetime._owners import Owner, parse_folder_name
 from memshare._lifetime._temp_folder import TempFolder
 
+# Version-independent (folders made and removed concurrently: the kernel and memshare alone): run in CI's whole-suite
+# environments only.
+pytestmark = pytest.mark.version_independent
+
 NOBODY = 65534
 MIB = 1 << 20
 
@@ -72,7 +76,6 @@ def leftovers(*bases: str) -> list:
     ]
 
 
-@pytest.mark.version_independent
 def test_a_twin_planted_after_the_folder_appears_does_not_fail_the_call(small_shm):
     """The attack as another user runs it: watch shared memory, plant ``<tmp>/<name>-disk`` at once."""
     planted = None
@@ -98,7 +101,6 @@ def test_a_twin_planted_after_the_folder_appears_does_not_fail_the_call(small_sh
             remove_planted(planted)
 
 
-@pytest.mark.version_independent
 @pytest.mark.parametrize("how", ["folder of nobody", "symlink"])
 def test_a_taken_twin_name_is_passed_over_for_another_one(small_shm, tmp_path, how):
     """Even if the twin's own name were known and taken, the file goes to a spare twin."""

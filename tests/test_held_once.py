@@ -290,6 +290,7 @@ def _maps(pid, name):
         return False
 
 
+@pytest.mark.version_independent  # a soak: hundreds of arrays through one mechanism
 def test_many_distinct_arrays_leave_no_file_and_no_memory_behind(mechanism):
     with MemmappingPool(2) as pool:
         pool.map(total, [big(40, seed=1)])  # workers started and warm

@@ -21,7 +21,7 @@ import sys
 import joblib
 import numpy as np
 import pytest
-from conftest import memfds_held, memshare_entries
+from conftest import NAMED, memfds_held, memshare_entries
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -32,7 +32,7 @@ N = 2 * 1024**2 // 8  # 2 MiB of float64: above the default max_nbytes (1M)
 MODES = ("r", "c", "r+", "w+")
 
 
-@pytest.fixture(params=["memfd", "named"])
+@pytest.fixture(params=["memfd", NAMED])
 def location(request):
     """Where memshare puts the files it writes: memfds (its own choice) or named files in a folder of the test."""
     if request.param == "memfd":
