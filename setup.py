@@ -40,12 +40,12 @@ setup(
             # A CPU build only where these machines have one on disk (the main environment); elsewhere pip
             # would download a CUDA build of several GB, and the torch tests skip, saying why.
             'torch==2.13.0; python_version == "3.11" and platform_machine == "x86_64"',
-            "matplotlib>=3.5",
+            "matplotlib>=3.7",
             "scipy>=1.9",
             "dask[distributed]>=2023.1",
             "ruff>=0.5",
         ],
-        "bench": ["matplotlib>=3.5", "scikit-learn>=1.2", "pandas>=1.5", "pyarrow>=10.0.1"],
+        "bench": ["matplotlib>=3.7", "scikit-learn>=1.2", "pandas>=1.5", "pyarrow>=10.0.1"],
         # What `sphinx-build -W -b html docs <out>` needs: the manual's Markdown pages, numpydoc sections, the theme.
         "docs": ["sphinx>=7", "pydata-sphinx-theme>=0.15", "numpydoc>=1.6", "myst-parser>=3"],
     },

@@ -251,3 +251,38 @@ def test_an_abandoned_batch_lets_go_of_its_arguments_before_it_is_packed():
         assert ok is False and "ended before it was sent" in str(error)
     finally:
         session.close()
+
+
+class _Backend:
+    """Stands for the joblib backend a feed reports to: it holds the call's iterable, the caller's data."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def note(self, nbytes, batch):
+        self.noted = nbytes
+
+
+def test_a_task_left_in_a_queue_keeps_neither_the_backend_nor_the_call_alive():
+    # With joblib 1.3 (loky 3.4) a failed call's unsent tasks stay in the executor's queue until its next
+    # use; through the feed's callback they kept the backend, its Parallel and the call's generator, and
+    # so the caller's frame, whose kept Arrow files then outlived it.
+    import gc
+    import weakref
+
+    from memshare._frontends._deferred import DeferredFeed
+
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        data = Collectable()
+        watch = weakref.ref(data)
+        backend = _Backend(data)
+        feed = DeferredFeed(session, workers=2, on_packed=backend.note)
+        queued = feed.defer((len, ((),), {}))  # what the executor's queue holds
+        del data, backend
+        gc.collect()
+        assert watch() is None, "a queued task keeps the backend and the caller's data alive"
+        rebuild, args = queued.__reduce__()  # packed later all the same, with nobody to tell
+        assert rebuild is not None
+    finally:
+        session.close()

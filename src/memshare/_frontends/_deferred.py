@@ -24,6 +24,7 @@ object in the parent.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, Tuple
 
 from .._parent._session import Session
@@ -67,7 +68,13 @@ class DeferredFeed(Dispatch):
 
     def __init__(self, session: Session, workers: int, on_packed: Optional[OnPacked] = None) -> None:
         super().__init__(session, workers, stopped=lambda: False)
-        self._on_packed = on_packed
+        # A bound method is held weakly: a task that a broken executor keeps in its queue (loky 3.4's
+        # does, after the call ended) holds this feed, and must not keep the backend alive through it,
+        # nor the backend's Parallel, nor that call's iterable, whose tasks hold the caller's data.
+        self._on_packed: Optional[Callable[[], Optional[OnPacked]]] = None
+        if on_packed is not None:
+            method = getattr(on_packed, "__self__", None) is not None
+            self._on_packed = weakref.WeakMethod(on_packed) if method else lambda: on_packed
 
     def defer(self, batch: Any) -> DeferredTask:
         """A task standing for ``batch``, to be packed when it is pickled."""
@@ -96,8 +103,9 @@ class DeferredFeed(Dispatch):
                 self.packed(task.token, written_before)
         if abandoned:  # its future already failed (a broken executor): nobody will finish it
             session.task_done(task.token)
-        if self._on_packed is not None:
-            self._on_packed(session.stats.bytes_dumped - dumped_before, batch)
+        on_packed = self._on_packed() if self._on_packed is not None else None
+        if on_packed is not None:
+            on_packed(session.stats.bytes_dumped - dumped_before, batch)
         return task
 
     def future_done(self, deferred: DeferredTask) -> None:
