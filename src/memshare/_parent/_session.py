@@ -52,6 +52,7 @@ from ._dumps import DumpTable
 from ._kept_buffers import KeptIn
 from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments
+from ._session_holds import SessionHolds
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Session:
         self._lock = _forksafe.rlock()
         kept = KeptIn(kept_buffers(), self.folder.location)
         self._dumps = DumpTable(self.folder.pair, self.stats, self._lock, self._release_record, kept)
-        self._holds = _held_once.SessionHolds(self.stats)
+        self._holds = SessionHolds(self.stats)
         self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
         self._tokens = itertools.count(1)
         # Arrays already counted (and logged) as referenced or pickled, so that
