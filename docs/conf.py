@@ -46,6 +46,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
 }
+# Every page is a top-level page of the header's navigation bar, so the left sidebar would stay empty: no sidebar.
+html_sidebars = {"**": []}
 
 # Every documented function and class says what each of its parameters is, and no parameter it does not have.
 numpydoc_validation_checks = {"PR01", "PR02"}

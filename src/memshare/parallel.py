@@ -189,7 +189,8 @@ class Parallel(joblib.Parallel):
     takes the same sizes as ``MemmappingPool`` (``"10 KiB"``, ``"1 GB"``,
     ``"0"`` as well as joblib's ``"1M"``). A backend named here or by a
     ``joblib.parallel_config`` is used instead of memshare's; on Dask, name it
-    with ``parallel_config(backend="dask")`` (see the module's docstring).
+    with ``parallel_config(backend="dask")`` (the manual's "joblib and scikit-learn"
+    page says what then travels how).
 
     ``progress=True`` shows a tqdm bar (``tqdm.auto``: on stderr in a
     terminal, a widget in Jupyter): tasks done out of the total, rate and
