@@ -23,6 +23,10 @@ from memshare._lifetime import _owners
 from memshare._lifetime._owners import OWNER_ALIVE, OWNER_DEAD, Owner, parse_folder_name
 from memshare._lifetime._sweep import find_folders, sweep_dead_owners
 
+# Version-independent (folder ownership across Linux time namespaces: the kernel and memshare alone): run in CI's
+# whole-suite environments only.
+pytestmark = pytest.mark.version_independent
+
 # A job that makes its folders (a session's, for a call that dumps, and the shared-array store's), says where
 # they are, waits for a line on stdin, then makes another call with the same data and exits.
 JOB = """
@@ -30,10 +34,6 @@ import sys
 import numpy as np
 import memshare
 from memshare import Parallel, delayed
-
-# Version-independent (folder ownership across Linux time namespaces: the kernel and memshare alone): run in CI's
-# whole-suite environments only.
-pytestmark = pytest.mark.version_independent
 
 def total(x):
     return float(x.sum())
