@@ -58,8 +58,12 @@ def main(argv: List[str]) -> int:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     collected_file, reports = argv[0], argv[1:]
-    with open(collected_file, encoding="utf-8") as lines:
-        wanted = {line.strip() for line in lines if "::" in line and not line.startswith(" ")}
+    try:
+        with open(collected_file, encoding="utf-8") as lines:
+            wanted = {line.strip() for line in lines if "::" in line and not line.startswith(" ")}
+    except OSError as exc:
+        print(f"  ran: no list of main's tests ({exc}): main did not finish")
+        return 1
     if not wanted:
         print("  ran: main collected no test")
         return 1
