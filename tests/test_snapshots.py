@@ -156,7 +156,7 @@ def test_a_call_sees_the_array_as_it_is_while_another_calls_task_reads_an_older_
     try:
         assert wait_until(lambda: _held_once.lookup(x) is not None, 60)
         held = _held_once.lookup(x)
-        assert wait_until(lambda: held.file.readers == 1, 60)
+        assert wait_until(lambda: held.file.lifetime.readers == 1, 60)
         x[:] = 1.0
         assert Parallel(n_jobs=2)(delayed(ends)(x) for _ in range(1)) == [(1.0, 1.0)]
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import numpy as np
 
 from .. import _forksafe
 from .._compat import made_by_default_allocator
+from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import FolderPair, delete_file, reserve
 from .._lifetime._location import SHM_ROOT, Location, choose_location, free_bytes
 from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budget
@@ -49,13 +51,18 @@ class HeldFile:
 
     Never rewritten in place, because a process may map it privately
     without memshare knowing: a pending task, or a child forked by C code
-    (its unwritten pages read the file). It is deleted once it is no longer
-    the array's current file and no pending task reads it.
+    (its unwritten pages read the file). Its lifetime's readers are the
+    pending tasks (any pool or call) that read it; it is deleted once it is
+    no longer the array's current file and none reads it.
     """
 
     ref: ArrayRef
-    readers: int = 0  # pending tasks (any pool or call) that read it
-    current: bool = True
+    lifetime: FileLifetime
+
+    @classmethod
+    def new(cls, ref: ArrayRef) -> HeldFile:
+        """The record of a file this process just wrote: only this process deletes it (not a forked child)."""
+        return cls(ref, FileLifetime(ref.path, functools.partial(_delete_if_owner, os.getpid(), ref.path)))
 
 
 @dataclass
@@ -72,7 +79,6 @@ class Held:
     nbytes: int
     first_page: int  # [first_page, end_page) maps the file; the rest is ordinary memory
     end_page: int
-    owner: int = field(default_factory=os.getpid)  # a forked child must not free the parent's files
     # Taken for a whole refresh: another session refreshing the same array waits, then finds it current.
     _lock: object = field(default_factory=_forksafe.lock, repr=False)
 
@@ -84,15 +90,13 @@ class Held:
     def acquire(self) -> HeldFile:
         """One more pending task reads the current file; the file, to :meth:`release` when it is done."""
         with self._lock:
-            self.file.readers += 1
+            self.file.lifetime.acquire()
             return self.file
 
     def release(self, file: HeldFile) -> None:
         """A task that read ``file`` is done: a file no longer current goes with its last reader."""
         with self._lock:
-            file.readers -= 1
-            if not file.current and file.readers <= 0:
-                self._delete(file)
+            file.lifetime.release()
 
     def reference(self, worker_mode: str, file: Optional[HeldFile] = None) -> ArrayRef:
         """The reference workers map ``file`` (default: the current one) with, in ``worker_mode``; never writable.
@@ -135,11 +139,9 @@ class Held:
                     return 0
             except OSError:
                 return None
-            file = HeldFile(_registry.write_file(array, self.first_page, self.end_page))
+            file = HeldFile.new(_registry.write_file(array, self.first_page, self.end_page))
             old, self.file = self.file, file
-            old.current = False
-            if old.readers <= 0:
-                self._delete(old)
+            old.lifetime.retire()
             return self.nbytes
 
     def _edges_match(self) -> bool:
@@ -171,13 +173,13 @@ class Held:
         once frees its files.
         """
         with self._lock:
-            self.file.current = False
-            if self.file.readers <= 0:
-                self._delete(self.file)
+            self.file.lifetime.retire()
 
-    def _delete(self, file: HeldFile) -> None:
-        if os.getpid() == self.owner:
-            delete_file(file.ref.path)
+
+def _delete_if_owner(owner: int, path: str) -> None:
+    """Delete a held file, in the process that wrote it only: a forked child inherits the records, not the files."""
+    if os.getpid() == owner:
+        delete_file(path)
 
 
 def _open_for_reading(ref: ArrayRef) -> int:
@@ -290,7 +292,7 @@ class _Registry:
             first_page = -(-address // PAGE) * PAGE
             end_page = (address + nbytes) // PAGE * PAGE
             ref = self.write_file(array, first_page, end_page)
-            held = Held(HeldFile(ref), address, nbytes, first_page, end_page)
+            held = Held(HeldFile.new(ref), address, nbytes, first_page, end_page)
             with self.lock:
                 self.held.add(array, held, Held.close)
             return held, time.perf_counter() - started

@@ -32,6 +32,7 @@ writable mapping could change the file.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ import numpy as np
 
 from .. import _forksafe
 from .._config import over_max_nbytes
+from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import delete_file
 from .._lifetime._location import Location
 from .._lifetime._temp_folder import TempFolder
@@ -60,8 +62,9 @@ class _Kept:
 
     ref: ArrayRef
     location: Location
-    users: int = 0  # sessions holding it for a call
-    current: bool = True  # False once its key is forgotten or its bytes were found changed
+    # Its readers are the sessions holding it for a call; it stops being current once its key is forgotten
+    # or its bytes were found changed.
+    lifetime: FileLifetime = field(init=False, repr=False)  # made with the record: its delete names it
     parent_view: Optional[np.ndarray] = field(default=None, repr=False)  # for comparing, made on first need
 
 
@@ -125,7 +128,7 @@ class KeptBuffers:
             kept = self._kept.get(key)
             if kept is None or kept.location != location or key not in self._owned:
                 return None
-            kept.users += 1  # not deleted while compared
+            kept.lifetime.acquire()  # not deleted while compared
         try:
             if kept.parent_view is None:
                 kept.parent_view = view_of(map_file(kept.ref), kept.ref)
@@ -139,7 +142,7 @@ class KeptBuffers:
         with self._lock:
             if self._kept.get(key) is kept:
                 del self._kept[key]
-            kept.current = False
+            kept.lifetime.retire()  # a reader still holds it: it goes with the release below
             self._release(kept)
         return None
 
@@ -164,7 +167,7 @@ class KeptBuffers:
         finally:
             with self._lock:
                 if written is not None:
-                    self._add(key, _Kept(written[0], location, users=1))
+                    self._add(key, self._new_kept(written[0], location))
                 self._writing[location] -= 1
                 if not self._writing[location]:
                     del self._writing[location]
@@ -172,11 +175,17 @@ class KeptBuffers:
         ref, seconds = written
         return ref, seconds, folder.pair.is_fallback(ref.path)
 
+    def _new_kept(self, ref: ArrayRef, location: Location) -> _Kept:
+        """The record of a file just written, used once (by the session that wrote it)."""
+        kept = _Kept(ref, location)
+        kept.lifetime = FileLifetime(ref.path, functools.partial(self._delete, kept), readers=1)
+        return kept
+
     def _add(self, key: Key, kept: _Kept) -> None:
         """A new file for ``key``: current unless its last owner went while it was written."""
         self._by_path[kept.ref.path] = kept
         if key not in self._owned:
-            kept.current = False  # deleted once released
+            kept.lifetime.retire()  # deleted once released
             return
         earlier = self._kept.get(key)
         self._kept[key] = kept
@@ -191,14 +200,10 @@ class KeptBuffers:
                 self._release(kept)
 
     def _release(self, kept: _Kept) -> None:
-        kept.users -= 1
-        if kept.users <= 0 and not kept.current:
-            self._delete(kept)
+        kept.lifetime.release()
 
     def _retire(self, kept: _Kept) -> None:
-        kept.current = False
-        if kept.users <= 0:
-            self._delete(kept)
+        kept.lifetime.retire()
 
     def _delete(self, kept: _Kept) -> None:
         if self._by_path.pop(kept.ref.path, None) is None:

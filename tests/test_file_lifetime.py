@@ -1,0 +1,36 @@
+"""One shared file's lifetime: it goes once, when it is neither current nor read."""
+
+from __future__ import annotations
+
+from memshare._lifetime._file_lifetime import FileLifetime
+
+
+def lifetime(readers: int = 0):
+    deleted = []
+    return FileLifetime("/some/file", lambda: deleted.append(True), readers), deleted
+
+
+def test_a_current_file_stays_whoever_releases_it():
+    file, deleted = lifetime(readers=1)
+    file.acquire()
+    assert not file.release() and not file.release()
+    assert deleted == [] and file.readers == 0 and not file.deleted
+
+
+def test_a_retired_file_goes_with_its_last_reader():
+    file, deleted = lifetime()
+    file.acquire()
+    file.acquire()
+    assert not file.retire()  # read: it stays
+    assert not file.release()
+    assert deleted == []
+    assert file.release()
+    assert deleted == [True] and file.deleted
+
+
+def test_a_retired_file_nobody_reads_goes_at_once_and_only_once():
+    file, deleted = lifetime()
+    assert file.retire()
+    assert not file.retire() and not file.release()
+    assert deleted == [True]
+    assert "deleted" in repr(file)
