@@ -40,6 +40,7 @@ from ._frontends._pool_args import (
     check_processes,
     check_reducers,
     check_verbose,
+    pseudo_main_hidden,
     resolve_context,
     worker_process,
 )
@@ -193,7 +194,8 @@ class MemmappingPool(PoolWithHooks):
             preload_in_fork_server("memshare")
             # Started now, not by the first worker: the server imports memshare while this process sets up
             # the pool's session (the memfd probe, a folder, a socket), instead of after.
-            multiprocessing.forkserver.ensure_running()
+            with pseudo_main_hidden():  # the server preloads __main__ from its __file__, if it has a real one
+                multiprocessing.forkserver.ensure_running()
         self._session = Session(
             settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
         )

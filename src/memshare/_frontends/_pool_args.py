@@ -11,12 +11,13 @@ as a folder) or silently.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.context
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from .._payload._reducers import Reducers
 
@@ -143,17 +144,30 @@ class _StartsWithoutPseudoMain:
     """
 
     def start(self) -> None:
-        main = sys.modules.get("__main__")
-        path = getattr(main, "__file__", None)
-        if not (isinstance(path, str) and path.startswith("<") and path.endswith(">")):
+        with pseudo_main_hidden():
             super().start()  # type: ignore[misc]
-            return
-        with _MAIN_FILE_LOCK:
-            del main.__file__
-            try:
-                super().start()  # type: ignore[misc]
-            finally:
-                main.__file__ = path
+
+
+@contextlib.contextmanager
+def pseudo_main_hidden() -> Iterator[None]:
+    """While inside, a ``__main__`` from standard input (``__file__`` like ``'<stdin>'``) has no ``__file__``.
+
+    For whatever reads it to start a process: a worker's ``start()``, and the
+    fork server's own start, which preloads ``__main__`` from that path (from
+    Python 3.14 a path that names no file kills the server, and with it every
+    worker).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not (isinstance(path, str) and path.startswith("<") and path.endswith(">")):
+        yield
+        return
+    with _MAIN_FILE_LOCK:
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
 
 
 # Process-wide because __main__ is: every pool that hides its __file__ takes it.
