@@ -203,6 +203,22 @@ def files_under(base) -> list:
     return [f for _, files in memshare_entries(base) for f in (files or [])]
 
 
+def open_descriptors() -> set:
+    """This process's descriptors, each with what it is open on.
+
+    Compared as sets, ``after - before`` is what a test left open: another
+    thread closing its own descriptor meanwhile (a finished executor's pipes)
+    does not count, and a descriptor number reused for another file does.
+    """
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except OSError:
+            continue  # closed meanwhile, or the listing's own descriptor
+    return found
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
     deadline = time.monotonic() + timeout

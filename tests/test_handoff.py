@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 import numpy as np
 import pytest
-from conftest import memfds_held, run_script
+from conftest import memfds_held, open_descriptors, run_script
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -39,22 +39,6 @@ pytestmark = pytest.mark.skipif(
 
 #: A bound on waits that must never happen: a hang fails the test instead of the run.
 HANG_GUARD = 120
-
-
-def open_descriptors() -> set:
-    """This process's descriptors, each with what it is open on.
-
-    Compared as sets, ``after - before`` is what a test left open: another
-    thread closing its own descriptor meanwhile (a finished executor's pipes)
-    does not count, and a descriptor number reused for another file does.
-    """
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
-        except OSError:
-            continue  # closed meanwhile, or the listing's own descriptor
-    return found
 
 
 # -- item 4: one worker-owned shared array returned from several tasks -------------------------------
