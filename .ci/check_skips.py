@@ -31,7 +31,8 @@ class Allowed(NamedTuple):
 ALLOWED = (
     Allowed(
         ("py3.15", "py3.14", "py3.13", "py3.12", "oldest"),
-        r"^tests\.test_torch",
+        # test_torch, and bench workload (r), which times torch tensors.
+        r"^tests\.(test_torch|test_bench_workloads::test_tasks_returning_their_input\w*\[r\])",
         r"torch",
         "torch==2.13.0 installs a CPU build from this machine's disk for Python 3.11 on x86_64 only (setup.py's"
         " marker); elsewhere pip would download a CUDA build of several GB",
