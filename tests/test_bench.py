@@ -19,7 +19,7 @@ from memshare._tools.benchmarks import memory
 from memshare._tools.benchmarks.memory import MemorySampler
 
 # The harness runs whole benchmarks: its outcome does not depend on the versions of Python, numpy or
-# joblib, which every other test covers; CI runs it in the whole-suite environments (main, py3.15).
+# joblib, which every other test covers; CI runs it in the whole-suite environment (main).
 pytestmark = pytest.mark.version_independent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

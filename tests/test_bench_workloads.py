@@ -23,7 +23,7 @@ from memshare._tools.benchmarks.workloads import make_workloads
 from memshare._tools.benchmarks.workloads_pool import POOL_OPERATIONS
 
 # The harness runs whole benchmarks: its outcome does not depend on the versions of Python, numpy or
-# joblib, which every other test covers; CI runs it in the whole-suite environments (main, py3.15).
+# joblib, which every other test covers; CI runs it in the whole-suite environment (main).
 pytestmark = pytest.mark.version_independent
 
 MiB = 1 << 20

@@ -30,7 +30,7 @@ from memshare._transport._backing import find_backing
 from memshare._transport._mapping import MappingCache, array_from_ref, map_file
 
 # Version-independent (thousands of arrays, descriptor limits and caches: a soak of memshare's own bookkeeping): run
-# in CI's whole-suite environments only.
+# in CI's whole-suite environment (main) only.
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptor limits and /proc: Linux"),
     pytest.mark.version_independent,

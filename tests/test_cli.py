@@ -19,7 +19,7 @@ from conftest import without_location_settings
 from memshare._lifetime._owners import Owner, host_identity, new_folder_name, pid_namespace, process_start_time
 
 # Version-independent (the command-line tools over folders and processes: the kernel and memshare alone): run in CI's
-# whole-suite environments only.
+# whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 MIB = 1024 * 1024

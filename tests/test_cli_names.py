@@ -11,7 +11,7 @@ import pytest
 import memshare
 from memshare.__main__ import invoked_name
 
-# Version-independent (the command-line tools' names and help): run in CI's whole-suite environments only.
+# Version-independent (the command-line tools' names and help): run in CI's whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 

@@ -33,7 +33,7 @@ import memshare
 from memshare.backend import MemshareBackend
 
 # Version-independent (the manual and README: their prose, tables and examples, whose API paths the unit tests cover
-# everywhere): run in CI's whole-suite environments only.
+# everywhere): run in CI's whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 ROOT = Path(__file__).resolve().parent.parent

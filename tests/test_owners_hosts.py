@@ -30,7 +30,7 @@ from memshare._lifetime._sweep import sweep_dead_owners
 from memshare._tools import cli as _cli
 
 # Version-independent (folder ownership across hosts and pid namespaces: the kernel and memshare alone): run in CI's
-# whole-suite environments only.
+# whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 #: The inode of the initial pid namespace, the same on every Linux host.

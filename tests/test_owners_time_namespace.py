@@ -24,7 +24,7 @@ from memshare._lifetime._owners import OWNER_ALIVE, OWNER_DEAD, Owner, parse_fol
 from memshare._lifetime._sweep import find_folders, sweep_dead_owners
 
 # Version-independent (folder ownership across Linux time namespaces: the kernel and memshare alone): run in CI's
-# whole-suite environments only.
+# whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 # A job that makes its folders (a session's, for a call that dumps, and the shared-array store's), says where

@@ -21,7 +21,7 @@ from memshare._tools.benchmarks.report import markdown_table
 from memshare._tools.benchmarks.results import Measurement, Report
 from memshare._tools.benchmarks.runners import CONTENDERS
 
-# Version-independent (the bench's messages and arguments): run in CI's whole-suite environments only.
+# Version-independent (the bench's messages and arguments): run in CI's whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 MiB = 1 << 20

@@ -28,7 +28,7 @@ from memshare._parent._held_memory import unsupported_reason
 from memshare._tools import doctor as _doctor
 
 # Version-independent (doctor's report, whose checks of other libraries test_compat runs everywhere): run in CI's
-# whole-suite environments only.
+# whole-suite environment (main) only.
 pytestmark = pytest.mark.version_independent
 
 BIG = 300_000  # float64: 2.4 MB, above the default max_nbytes of 1 MiB
