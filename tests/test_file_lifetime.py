@@ -34,3 +34,11 @@ def test_a_retired_file_nobody_reads_goes_at_once_and_only_once():
     assert not file.retire() and not file.release()
     assert deleted == [True]
     assert "deleted" in repr(file)
+
+
+def test_ending_a_file_deletes_it_though_it_is_read_and_only_once():
+    file, deleted = lifetime(readers=2)
+    assert file.end()
+    assert deleted == [True] and file.deleted and file.readers == 0
+    assert not file.end() and not file.retire()
+    assert deleted == [True]

@@ -10,7 +10,7 @@ keeps its own rule for when it stops being current; the counting is this one.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 
 class FileLifetime:
@@ -27,7 +27,7 @@ class FileLifetime:
         self.readers = readers
         self.current = True
         self.deleted = False
-        self._delete = delete
+        self._delete: Optional[Callable[[], None]] = delete
 
     def acquire(self) -> None:
         """One more reader holds the file."""
@@ -43,11 +43,17 @@ class FileLifetime:
         self.current = False
         return self._settle()
 
+    def end(self) -> bool:
+        """Its owner is closing: the file goes now, whoever still reads it; True unless it had gone already."""
+        self.current, self.readers = False, 0
+        return self._settle()
+
     def _settle(self) -> bool:
         if self.current or self.readers > 0 or self.deleted:
             return False
         self.deleted = True
-        self._delete()
+        delete, self._delete = self._delete, None  # a delete that names its owner holds no cycle once run
+        delete()
         return True
 
     def __repr__(self) -> str:
