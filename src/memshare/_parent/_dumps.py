@@ -64,7 +64,7 @@ class _ObjectDump:
 
 
 class DumpTable:
-    """The dumps of one session, by array, by buffer memory and by object."""
+    """The dumps of one session, by array and by buffer memory; its argument objects' in ``objects``."""
 
     def __init__(
         self,
@@ -84,7 +84,6 @@ class DumpTable:
         self._pair = pair
         self._stats = stats
         self._lock = lock
-        self._release_needs = release_needs
         self._kept = kept
         self._kept_paths: Set[str] = set()  # files of ``kept`` this table uses: released, never deleted, here
         self._files = DumpFiles(self._let_go)
@@ -97,7 +96,7 @@ class DumpTable:
         self._buffers: Dict[_Key, _BufferDump] = {}
         self._buffers_in_band: Set[_Key] = set()
         self._buffers_generation = 0
-        self._objects: Dict[int, _ObjectDump] = {}  # this generation's, by id() of the object
+        self.objects = ObjectDumps(pair, stats, self._files, release_needs)
         self._generations = itertools.count(1)
         self.generation = 0
 
@@ -113,10 +112,10 @@ class DumpTable:
         the lock is taken only when there are buffers or objects to let go of.
         """
         self.generation = next(self._generations)
-        if self._buffers or self._objects:
+        if self._buffers or self.objects:
             with self._lock:
                 self._new_buffer_generation()
-                self._forget_objects()
+                self.objects.forget()
 
     def ref_at(self, path: str) -> Optional[ArrayRef]:
         """The reference of the dump file at ``path`` while this table holds it, else None."""
@@ -272,54 +271,6 @@ class DumpTable:
             if held.file.lifetime.readers == 0:
                 self._files.retire(held.file)
 
-    # -- argument objects ------------------------------------------------------
-
-    def object_dump(self, obj: Any, files: List[str]) -> Optional[ArrayRef]:
-        """The dump of ``obj``'s payload made in this generation, now used by one more task; None if there is none."""
-        held = self._objects.get(id(obj))
-        if held is None or held.obj is not obj:
-            return None
-        self._files.use(held.file, files)
-        return held.file.ref
-
-    def dump_object(self, obj: Any, payload: bytes, needs: Any, files: List[str]) -> ArrayRef:
-        """Write ``obj``'s payload (pickled on its own) to a dump, read-only, for the tasks of this generation.
-
-        The object is pickled once per generation: a later call pickles it
-        again, since it may have changed in between (nothing says when a
-        Python object changes). The entry keeps the object, so that its
-        ``id()`` names nothing else while the dump is current, and ``needs``
-        (what its payload references), released with the dump. Should
-        another thread have dumped the same object meanwhile, its dump serves
-        and this payload's ``needs`` are released.
-        """
-        held = self._objects.get(id(obj))
-        if held is not None and held.obj is obj:
-            self._release_needs(needs)
-        else:
-            raw = np.frombuffer(payload, np.uint8)
-            self._files.make_room()
-            ref, seconds = dump_array(self._pair, raw, DUMP, "r")
-            held = self._objects[id(obj)] = _ObjectDump(obj, needs)
-            held.file = self._files.add(ref, Uses(), RECENT, functools.partial(self._object_file_gone, held))
-            self._stats.add(objects_dumped=1, bytes_objects_dumped=raw.nbytes, dump_seconds=seconds)
-            if self._pair.is_fallback(ref.path):
-                self._stats.add(fallback_files=1)
-            log_object_decision(DUMPED, raw.nbytes, obj, ref.path, seconds)
-        self._files.use(held.file, files)
-        return held.file.ref
-
-    def _object_file_gone(self, held: _ObjectDump, file: DumpFile) -> None:
-        if self._objects.get(id(held.obj)) is held:
-            del self._objects[id(held.obj)]
-        self._release_needs(held.needs)
-
-    def _forget_objects(self) -> None:
-        """A new generation: no object dumped before is named again; a dump goes now, or with its last task."""
-        current, self._objects = list(self._objects.values()), {}
-        for held in current:
-            self._files.retire(held.file)
-
     # -- deletion --------------------------------------------------------------
 
     def _let_go(self, path: str) -> None:
@@ -336,7 +287,67 @@ class DumpTable:
         self._by_array.clear()
         self._buffers.clear()
         self._buffers_in_band.clear()
-        self._objects.clear()
+        self.objects.forget()  # their files went above
+
+
+class ObjectDumps:
+    """The large argument objects of one session's current call, each pickled once into a dump."""
+
+    def __init__(self, pair: FolderPair, stats: CallStats, files: DumpFiles, release_needs: Callable[[Any], None]):
+        self._pair = pair
+        self._stats = stats
+        self._files = files
+        self._release_needs = release_needs
+        self._current: Dict[int, _ObjectDump] = {}  # this generation's, by id() of the object
+
+    def __bool__(self) -> bool:
+        return bool(self._current)
+
+    def object_dump(self, obj: Any, files: List[str]) -> Optional[ArrayRef]:
+        """The dump of ``obj``'s payload made in this generation, now used by one more task; None if there is none."""
+        held = self._current.get(id(obj))
+        if held is None or held.obj is not obj:
+            return None
+        self._files.use(held.file, files)
+        return held.file.ref
+
+    def dump_object(self, obj: Any, payload: bytes, needs: Any, files: List[str]) -> ArrayRef:
+        """Write ``obj``'s payload (pickled on its own) to a dump, read-only, for the tasks of this generation.
+
+        The object is pickled once per generation: a later call pickles it
+        again, since it may have changed in between (nothing says when a
+        Python object changes). The entry keeps the object, so that its
+        ``id()`` names nothing else while the dump is current, and ``needs``
+        (what its payload references), released with the dump. Should
+        another thread have dumped the same object meanwhile, its dump serves
+        and this payload's ``needs`` are released.
+        """
+        held = self._current.get(id(obj))
+        if held is not None and held.obj is obj:
+            self._release_needs(needs)
+        else:
+            raw = np.frombuffer(payload, np.uint8)
+            self._files.make_room()
+            ref, seconds = dump_array(self._pair, raw, DUMP, "r")
+            held = self._current[id(obj)] = _ObjectDump(obj, needs)
+            held.file = self._files.add(ref, Uses(), RECENT, functools.partial(self._file_gone, held))
+            self._stats.add(objects_dumped=1, bytes_objects_dumped=raw.nbytes, dump_seconds=seconds)
+            if self._pair.is_fallback(ref.path):
+                self._stats.add(fallback_files=1)
+            log_object_decision(DUMPED, raw.nbytes, obj, ref.path, seconds)
+        self._files.use(held.file, files)
+        return held.file.ref
+
+    def _file_gone(self, held: _ObjectDump, file: DumpFile) -> None:
+        if self._current.get(id(held.obj)) is held:
+            del self._current[id(held.obj)]
+        self._release_needs(held.needs)
+
+    def forget(self) -> None:
+        """A new generation: no object dumped before is named again; a dump goes now, or with its last task."""
+        current, self._current = list(self._current.values()), {}
+        for held in current:
+            self._files.retire(held.file)
 
 
 def _array_file_gone(entry: _ArrayDump, file: DumpFile) -> None:

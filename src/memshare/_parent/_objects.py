@@ -123,7 +123,7 @@ class ObjectPacker:
         with self._carrier.lock:
             self._carrier.check_open()
             for candidate in candidates:
-                ref = self._carrier.dumps.object_dump(candidate, record.files)
+                ref = self._carrier.dumps.objects.object_dump(candidate, record.files)
                 if ref is not None:
                     dumped[id(candidate)] = (candidate, ref)
                 elif not self._known_small(candidate):
@@ -229,7 +229,7 @@ class ObjectPacker:
         try:
             for other, _ in inner:
                 with self._carrier.lock:
-                    self._carrier.dumps.object_dump(other, needs.files)  # held while the candidate's dump lives
+                    self._carrier.dumps.objects.object_dump(other, needs.files)  # held while the candidate's dump lives
             if payload is None:
                 payload = pack(
                     candidate,
@@ -241,7 +241,7 @@ class ObjectPacker:
                 )
             with self._carrier.lock:
                 self._carrier.check_open()
-                return self._carrier.dumps.dump_object(candidate, payload, needs, record.files)
+                return self._carrier.dumps.objects.dump_object(candidate, payload, needs, record.files)
         except BaseException:
             record.error = record.error or needs.error
             self._carrier.abandon(needs)
