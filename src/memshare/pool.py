@@ -18,19 +18,16 @@ by themselves when the parent dies.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing.forkserver
 import os
-import pickle
-import sys
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import cloudpickle
 
 from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
 from ._config import Settings, check_temp_folder
-from ._frontends._feed import TaskFeed, run_pool_task, set_pool_results
+from ._frontends._feed import TaskFeed, run_pool_task, start_pool_worker
 from ._frontends._pool_args import (
     TEMP_FOLDER_HINT,
     check_chunksize,
@@ -44,25 +41,13 @@ from ._frontends._pool_args import (
     resolve_context,
     worker_process,
 )
+from ._frontends._pool_results import ChunkedMapResult, join_chunks, length_of, with_progress_bar
 from ._frontends._worker_watch import WorkerWatch
 from ._lifetime._owners import owner_identity
 from ._parent._session import Session
 from ._payload._main_functions import MainFunctions
 from ._payload._reducers import Reducers
 from ._stats import enable_logging
-from ._worker._run import set_result_reducers, watch_parent
-
-
-def _worker_init(owner: tuple, setup: bytes, initargs: tuple) -> None:
-    watch_parent(*owner)
-    # The initializer and the result reducers travel cloudpickled, so that
-    # functions of __main__ and lambdas work under every start method; initargs
-    # do not, so that multiprocessing locks and queues can still be inherited.
-    initializer, backward_reducers, results = pickle.loads(setup)
-    set_result_reducers(backward_reducers)
-    set_pool_results(results)
-    if initializer is not None:
-        initializer(*initargs)
 
 
 class MemmappingPool(PoolWithHooks):
@@ -222,7 +207,7 @@ class MemmappingPool(PoolWithHooks):
             # thread keeps what it is given).
             super().__init__(
                 processes,
-                _worker_init,
+                start_pool_worker,
                 (owner_identity(), setup, tuple(initargs)),
                 maxtasksperchild,
                 context,
@@ -401,7 +386,7 @@ class MemmappingPool(PoolWithHooks):
         results = imap(run_pool_task, self._feed.lazy(func, iterable, False, chunksize), 1)
         if chunksize > 1:  # each result is a chunk's list, as in the standard pool
             results = (value for chunk in results for value in chunk)
-        return _progress(results, _length(iterable)) if progress else results
+        return with_progress_bar(results, length_of(iterable)) if progress else results
 
     def _with_progress(self, func, iterable, chunksize, star):
         # Per-chunk completion is only visible through imap; the chunking and
@@ -411,7 +396,7 @@ class MemmappingPool(PoolWithHooks):
         items = list(iterable)
         chunksize = self._map_chunksize(len(items), chunksize)
         chunks = super().imap(run_pool_task, self._feed.fill(func, items, star, chunksize), 1)
-        return list(_progress((value for chunk in chunks for value in chunk), len(items)))
+        return list(with_progress_bar((value for chunk in chunks for value in chunk), len(items)))
 
     def _map(self, func, iterable, chunksize, callback, error_callback, star):
         self._check_usable()
@@ -421,7 +406,7 @@ class MemmappingPool(PoolWithHooks):
         tasks = self._feed.fill(func, items, star, chunksize)
         # One task per chunk, whose value is the chunk's list: the standard
         # result object collects the lists, ChunkedMapResult joins them.
-        joined_callback = None if callback is None else (lambda chunks: callback(_join(chunks)))
+        joined_callback = None if callback is None else (lambda chunks: callback(join_chunks(chunks)))
         return ChunkedMapResult(super().map_async(run_pool_task, tasks, 1, joined_callback, error_callback))
 
     def _map_chunksize(self, length: int, chunksize: Optional[int]) -> int:
@@ -455,46 +440,6 @@ class MemmappingPool(PoolWithHooks):
     def temp_folder(self) -> str:
         """The path of this pool's folder in shared memory (created on first use)."""
         return self._session.folder.pair.primary
-
-
-class ChunkedMapResult:
-    """The result of ``map_async``/``starmap_async``: the standard result object, with the chunks' lists joined.
-
-    It has the methods of :class:`multiprocessing.pool.AsyncResult`.
-    """
-
-    def __init__(self, chunks: Any) -> None:
-        self._chunks = chunks
-
-    def ready(self) -> bool:
-        return self._chunks.ready()
-
-    def successful(self) -> bool:
-        return self._chunks.successful()
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        self._chunks.wait(timeout)
-
-    def get(self, timeout: Optional[float] = None) -> list:
-        return _join(self._chunks.get(timeout))
-
-
-def _join(chunks: list) -> list:
-    return list(itertools.chain.from_iterable(chunks))
-
-
-def _length(iterable: Any) -> Optional[int]:
-    return len(iterable) if hasattr(iterable, "__len__") else None
-
-
-def _progress(results: Iterable, total: Optional[int]) -> Iterator:
-    """Yield ``results`` while a tqdm bar on stderr counts them."""
-    from tqdm.auto import tqdm
-
-    with tqdm(total=total, file=sys.stderr, unit="task", desc="memshare", dynamic_ncols=True) as bar:
-        for result in results:
-            bar.update(1)
-            yield result
 
 
 MemmapingPool = MemmappingPool

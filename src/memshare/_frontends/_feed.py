@@ -35,6 +35,7 @@ of numbers and bytes costs a fraction of one.
 from __future__ import annotations
 
 import itertools
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
@@ -43,7 +44,7 @@ from .._payload._main_functions import MainFunctions
 from .._payload._main_values import PLAIN_TYPES
 from .._payload._unpacking import unpack
 from .._transport._protocol import Outcome, ResultSpec, Task
-from .._worker._run import run_task
+from .._worker._run import run_task, set_result_reducers, watch_parent
 from ._dispatch import Dispatch, Unsent
 
 
@@ -80,6 +81,19 @@ PoolOutcome = Tuple[int, bool, bytes, tuple]
 
 # The result spec of the pool this worker serves: one pool per worker process, so process-wide.
 _pool_results: Optional[ResultSpec] = None
+
+
+def start_pool_worker(owner: tuple, setup: bytes, initargs: tuple) -> None:
+    """Initializer of a pool's workers: watch the parent, take the pool's result settings, run the user's."""
+    watch_parent(*owner)
+    # The initializer and the result reducers travel cloudpickled, so that
+    # functions of __main__ and lambdas work under every start method; initargs
+    # do not, so that multiprocessing locks and queues can still be inherited.
+    initializer, backward_reducers, results = pickle.loads(setup)
+    set_result_reducers(backward_reducers)
+    set_pool_results(results)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def set_pool_results(spec: ResultSpec) -> None:
