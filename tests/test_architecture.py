@@ -672,3 +672,67 @@ def test_every_name_architecture_md_gives_exists():
         "_refs.nowhere",
         "_session.Session.pack_tasks",
     ]
+
+
+#: A runtime module (every module but the tools') is read in one sitting: at most this many lines.
+MODULE_LINES = 450
+#: A class at most this many lines of code (its docstrings, numpydoc for the public API, not counted).
+CLASS_CODE_LINES = 250
+#: Modules and classes over the bounds today, each with its size; the list only shrinks.
+OVERSIZED = {
+    "memshare._parent._session.Session": 302,  # packing an argument is to move to a class of its own
+}
+
+
+def _docstring_lines(node: ast.AST) -> int:
+    lines = 0
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and inner.body:
+            first = inner.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    lines += first.end_lineno - first.lineno + 1
+    return lines
+
+
+def oversized(package: Path) -> Dict[str, int]:
+    """The runtime modules over ``MODULE_LINES`` lines and classes over ``CLASS_CODE_LINES`` lines of code."""
+    found: Dict[str, int] = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if "_tools" in parts:
+            continue  # the command-line tools and the benchmark harness: no runtime module imports them
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        source = path.read_text(encoding="utf-8")
+        if source.count("\n") > MODULE_LINES:
+            found[module] = source.count("\n")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                code = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
+                if code > CLASS_CODE_LINES:
+                    found[f"{module}.{node.name}"] = code
+    return found
+
+
+def test_modules_and_classes_are_short_enough_to_read_in_one_sitting():
+    found = oversized(PACKAGE)
+    grown = {name: size for name, size in found.items() if size > OVERSIZED.get(name, 0)}
+    assert not grown, f"over {MODULE_LINES} lines (module) or {CLASS_CODE_LINES} lines of code (class): {grown}"
+    shrunk = {name: found.get(name) for name in OVERSIZED if found.get(name) != OVERSIZED[name]}
+    assert not shrunk, f"smaller than OVERSIZED says (lower its entry, or remove it): {shrunk}"
+
+
+def test_the_size_check_finds_a_long_module_and_a_long_class(tmp_path):
+    fake = tmp_path / "memshare"
+    (fake / "_tools").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "_long.py").write_text("x = 1\n" * (MODULE_LINES + 1))
+    # With its "class" line, a class of CLASS_CODE_LINES lines of code and 301 of docstring.
+    body = '    """' + "doc\n" * 300 + '"""\n' + "    x = 1\n" * (CLASS_CODE_LINES - 1)
+    (fake / "_classes.py").write_text(f"class Documented:\n{body}\nclass Long:\n{body}    y = 2\n")
+    (fake / "_tools" / "_tool.py").write_text("x = 1\n" * (MODULE_LINES + 1))
+    assert oversized(fake) == {
+        "memshare._long": MODULE_LINES + 1,
+        "memshare._classes": 2 * (CLASS_CODE_LINES + 301) + 2,
+        "memshare._classes.Long": CLASS_CODE_LINES + 1,
+    }
