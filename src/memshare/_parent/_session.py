@@ -2,9 +2,9 @@
 
 A :class:`Session` owns a :class:`TempFolder`, the dump table of the files
 written into it (``_dumps``) and its side of arrays held once
-(``_held_once``). It decides each argument's route (``_routes``), carries it
-out into a per-task record, releases what a task held when it is done, and
-restores its outcome, taking the result memfds its worker passed.
+(``_held_once``). Its ``_arguments`` decide each argument's route and carry
+it out into a per-task record; the session releases what a task held when it
+is done, and restores its outcome, taking the result memfds its worker passed.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ import itertools
 import os
 import pickle
 import stat
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
-
-import numpy as np
+from typing import Any, Dict, Optional, Tuple
 
 from .. import _forksafe
 from .._config import Settings
@@ -29,46 +26,16 @@ from .._lifetime._holdings import held_bytes
 from .._lifetime._temp_folder import TempFolder
 from .._payload._plain import plain_call
 from .._payload._reducers import Reducers, pack
-from .._payload._routes import (
-    DUMP_BASE,
-    OWN_DUMP,
-    PICKLE,
-    REFERENCE,
-    Route,
-    buffer_route,
-    input_route,
-    view_in_dump,
-)
-from .._payload._unpacking import Reduction, input_reduction, own_input_reduction
-from .._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_decision, logger, record_finished
+from .._stats import CallStats, logger, record_finished
 from .._transport._handoff import Inbox
-from .._transport._identity import IdentityTable
-from .._transport._pages import copy_on_write_unwritten
 from .._transport._protocol import Outcome, ResultSpec, Task
-from .._transport._refs import RESULT, SHARED, ArrayRef, data_address
-from . import _held_once
+from .._transport._refs import RESULT, ArrayRef
 from ._adopt import restore, restore_with_memfds
+from ._arguments import ArgumentRoutes, TaskRecord
 from ._dumps import DumpTable
 from ._kept_buffers import KeptIn
 from ._kept_buffers import store as kept_buffers
 from ._objects import Carrier, ObjectPacker, task_arguments
-from ._session_holds import SessionHolds
-
-
-@dataclass
-class _TaskRecord:
-    """What one pending task holds: made while its arguments are pickled, dropped when it is done."""
-
-    files: List[str] = field(default_factory=list)  # one entry per use of a dump file
-    # Shared arrays the task references, kept alive until the task is done:
-    # their file is deleted when the last view dies, and a worker may not
-    # have mapped it yet.
-    held: List[np.ndarray] = field(default_factory=list)
-    #: Files of arrays held once that the task reads: each lives at least until the task is done.
-    held_once: List[Tuple[_held_once.Held, _held_once.HeldFile]] = field(default_factory=list)
-    #: memshare's own failure while carrying out a route (no room for a dump,
-    #: say), as opposed to a failure to pickle the caller's arguments.
-    error: Optional[BaseException] = None
 
 
 class Session:
@@ -91,25 +58,22 @@ class Session:
         self._lock = _forksafe.rlock()
         kept = KeptIn(kept_buffers(), self.folder.location)
         self._dumps = DumpTable(self.folder.pair, self.stats, self._lock, self._release_record, kept)
-        self._holds = SessionHolds(self.stats)
-        self._tasks: Dict[int, _TaskRecord] = {}  # pending tasks
+        self._arguments = ArgumentRoutes(settings, self.stats, self._lock, self._dumps, self._check_open)
+        self._tasks: Dict[int, TaskRecord] = {}  # pending tasks
         self._tokens = itertools.count(1)
-        # Arrays already counted (and logged) as referenced or pickled, so that
-        # the figures and the log name each array once however many tasks use it.
-        self._seen: IdentityTable[None] = IdentityTable()
         self._objects = ObjectPacker(
             Carrier(
                 settings,
                 self._reducers,
                 self._lock,
                 self._dumps,
-                new_record=_TaskRecord,
-                reduce_argument=self._reduce_argument,
-                reduce_buffer=self._reduce_buffer,
+                new_record=TaskRecord,
+                reduce_argument=self._arguments.reduce_argument,
+                reduce_buffer=self._arguments.reduce_buffer,
                 abandon=self._abandon,
                 check_open=self._check_open,
-                route_of=self._route_of,
-                note_arrow=self._note_arrow,
+                route_of=self._arguments.route_of,
+                note_arrow=self._arguments.note_arrow,
             )
         )
         self._closed = False
@@ -155,7 +119,7 @@ class Session:
         dumping (``SharedMemoryFullError``...) and ``KeyboardInterrupt`` are
         raised as themselves.
         """
-        # The lock is taken for each array the pickler meets (_reduce_argument)
+        # The lock is taken for each array the pickler meets (reduce_argument)
         # and to register the task, not across the pickling of everything
         # else: the result thread finishing other tasks need not wait for it.
         self._check_open()
@@ -169,11 +133,11 @@ class Session:
             if stream is not None:
                 self.stats.add(tasks=1, bytes_pickled=len(stream))
                 return Task(next(self._tokens), stream, self._results)
-        record = _TaskRecord()
-        reduce_array = functools.partial(self._reduce_argument, record)
+        record = TaskRecord()
+        reduce_array = functools.partial(self._arguments.reduce_argument, record)
         reduce_buffer = None  # no threshold: every buffer stays in the stream
         if self.settings.max_nbytes is not None:
-            reduce_buffer = functools.partial(self._reduce_buffer, record)
+            reduce_buffer = functools.partial(self._arguments.reduce_buffer, record)
         kwargs = kwargs or {}
         try:
             objects = self._objects.pack(task_arguments(func, args, kwargs), record)
@@ -183,7 +147,7 @@ class Session:
                 reducers=self._reducers,
                 reduce_buffer=reduce_buffer,
                 objects=objects,
-                on_arrow=self._note_arrow if reduce_buffer is not None else None,
+                on_arrow=self._arguments.note_arrow if reduce_buffer is not None else None,
             )
         except Exception as exc:
             self._abandon(record)
@@ -207,7 +171,7 @@ class Session:
             self.stats.add(tasks=1, bytes_pickled=len(stream))
         return Task(token, stream, self._results)
 
-    def _abandon(self, record: _TaskRecord) -> None:
+    def _abandon(self, record: TaskRecord) -> None:
         """Release what a task that will never be sent holds."""
         with self._lock:
             self._release_record(record)
@@ -292,110 +256,9 @@ class Session:
             if record is not None:
                 self._release_record(record)
 
-    # -- carrying out routes (called while pickling, each with the lock held) ---
-
-    def _reduce_argument(self, record: _TaskRecord, array: np.ndarray) -> Optional[Reduction]:
-        """The pickler's array policy for task arguments: decide the route, carry it out into ``record``."""
-        try:
-            with self._lock:
-                self._check_open()  # never a new file once the session has closed (its folder is gone)
-                return self._carry_out(self._route_of(array), array, record)
-        except BaseException as exc:
-            record.error = exc
-            raise
-
-    def _route_of(self, array: np.ndarray) -> Route:
-        """The route of an argument array under this session's settings (pure: nothing is carried out)."""
-        return input_route(
-            array,
-            self.settings.max_nbytes,
-            self._dumps.paths,
-            copy_on_write_unwritten,
-            promote=self.settings.promote,
-            worker_mode=self._worker_mode(),
-        )
-
-    def _note_arrow(self, obj: Any) -> None:
-        """An Arrow object met while packing: its large buffers may be kept for later calls while it lives."""
-        kept_buffers().note_owner(obj, self.settings.max_nbytes)
-
-    def _reduce_buffer(self, record: _TaskRecord, buffer: pickle.PickleBuffer) -> Optional[ArrayRef]:
-        """The pickler's buffer policy for task arguments: the dump standing for ``buffer``, or None: in the stream.
-
-        A dumped buffer is mapped read-only when it is read-only, else with
-        the session's mode, as an array's dump (read-only by default).
-        """
-        try:
-            view = memoryview(buffer)
-            route = buffer_route(view.nbytes, view.contiguous, self.settings.max_nbytes)
-            if route.kind == PICKLE and isinstance(view.obj, np.ndarray):
-                return None  # a small array's own buffer: counted as an array already
-            with self._lock:
-                self._check_open()  # never a new file once the session has closed (its folder is gone)
-                if route.kind == PICKLE:
-                    if self._dumps.pickled_buffer((_buffer_address(view), view.nbytes)):
-                        self.stats.add(buffers_pickled=1, bytes_buffers_pickled=view.nbytes)
-                        log_buffer_decision(PICKLED, view.nbytes, view.obj, "in the task payload")
-                    return None
-                mode = "r" if view.readonly else self._worker_mode()
-                return self._dumps.dump_buffer(buffer, mode, view.obj, record.files)
-        except BaseException as exc:
-            record.error = exc
-            raise
-
-    def _carry_out(self, route: Route, array: np.ndarray, record: _TaskRecord) -> Optional[Reduction]:
-        """Do what ``route`` says for ``array``, noting in ``record`` what the task holds; None: pickle it."""
-        if route.kind == PICKLE:
-            if self._first_sight(array):
-                self.stats.add(arrays_pickled=1)
-                log_decision(PICKLED, array, "in the task payload")
-            return None
-        if route.kind == REFERENCE:
-            if route.ref.kind == SHARED:
-                record.held.append(array)
-            if self._first_sight(array):
-                self.stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
-                log_decision(REFERENCED, array, route.ref.path)
-            return input_reduction(route.ref)
-        # The session's own files from here: kept until the task's outcome is restored (see finish).
-        if route.kind == OWN_DUMP:
-            self._dumps.use(route.ref.path, record.files)
-            return own_input_reduction(route.ref)
-        if route.kind == DUMP_BASE:
-            return own_input_reduction(view_in_dump(array, route.source, self._dump(route, record)))
-        return own_input_reduction(self._dump(route, record))
-
-    def _first_sight(self, array: np.ndarray) -> bool:
-        if array in self._seen:
-            return False
-        self._seen.add(array, None)
-        return True
-
-    def _dump(self, route: Route, record: _TaskRecord) -> ArrayRef:
-        """The reference to ``route.source`` held once, if the route asks and it can be; else to its dump.
-
-        A held file is the parent's memory: it is sent read-only or
-        copy-on-write only, and kept alive by the task (its file lives as
-        long as the array).
-        """
-        array, generation = route.source, self._dumps.generation
-        if route.hold_once:
-            holding = self._holds.hold(array, generation, self._worker_mode(), self.settings.temp_folder)
-            if holding is not None:
-                record.held_once.append(holding)
-                record.held.append(array)
-                held, file = holding
-                return held.reference(self._worker_mode(), file)
-        elif route.not_held_once is not None:
-            self._holds.refuse(array, generation, route.not_held_once)
-        return self._dumps.dump(array, route.mode or self._worker_mode(), record.files)
-
-    def _worker_mode(self) -> str:
-        return "r+" if self.settings.mmap_mode == "w+" else self.settings.mmap_mode
-
     # -- lifetimes -------------------------------------------------------------
 
-    def _release_record(self, record: _TaskRecord) -> None:
+    def _release_record(self, record: TaskRecord) -> None:
         self._dumps.release(record.files)
         for held, file in record.held_once:
             held.release(file)
@@ -418,8 +281,7 @@ class Session:
             self._closed = True
             self._dumps.close()
             self._objects.new_generation()  # lets go of the arguments remembered as small (a closed pool lives on)
-            self._seen.clear()
-            self._holds.clear()
+            self._arguments.clear()
             for record in self._tasks.values():
                 self._release_record(record)
             self._tasks.clear()
@@ -429,11 +291,6 @@ class Session:
         # Measured after the folder went: what outlives the call (set, not added: a session closes once).
         self.stats.bytes_in_shared_memory = held_bytes()
         record_finished(self.stats)
-
-
-def _buffer_address(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte (of a read-only buffer too); else an identity."""
-    return data_address(np.frombuffer(view, np.uint8)) if view.contiguous else id(view.obj)
 
 
 def _name_of(func: Any) -> str:
