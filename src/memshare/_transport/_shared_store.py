@@ -7,13 +7,15 @@ one it allocated hands its file over instead of copying it. Below both the
 public constructors (``arrays``), the result policy (``_result_policy``) and
 ``_adopt``.
 
-Lifetime: the file is deleted when the last array viewing it is garbage
-collected (a finalizer on the mapping), and with the rest of the process's
-folders at exit or, after a crash, by the watchdog.
+Lifetime: each file has a ``FileLifetime``, retired when the last array
+viewing it is garbage collected (a finalizer on the mapping), so the file
+goes then; else with the rest of the process's folders at exit or, after a
+crash, by the watchdog.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Dict, Optional, Tuple
@@ -21,6 +23,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from .. import _forksafe
+from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import delete_file
 from .._lifetime._location import Location, choose_location
 from .._lifetime._temp_folder import TempFolder
@@ -60,10 +63,11 @@ class _SharedStore:
             finally:
                 os.close(fd)
         base = map_file(ref)
-        # Deleting the file (a memfd: closing it) when the mapping dies frees the
-        # memory as soon as the last view is gone (workers drop theirs when they
-        # see it gone).
-        weakref.finalize(base, self._forget, ref.path, ref.inode)
+        # The file is current while the mapping lives: deleting it (a memfd: closing it) when the
+        # mapping dies frees the memory as soon as the last view is gone (workers drop theirs when
+        # they see it gone). A task that references the array keeps the array, hence the mapping.
+        lifetime = FileLifetime(ref.path, functools.partial(self._forget, ref.path, ref.inode))
+        weakref.finalize(base, lifetime.retire)
         with self.lock:
             self.bases[ref.path] = (ref.inode, weakref.ref(base))
         strides = contiguous_strides(shape, dtype.itemsize, order)
@@ -84,7 +88,7 @@ class _SharedStore:
         return array
 
     def _forget(self, path: str, inode: int) -> None:
-        """Finalizer of a mapping: delete its file and its entry."""
+        """The file's lifetime ended (its mapping was collected): delete the file and its entry."""
         with self.lock:
             if self.bases.get(path, (None,))[0] == inode:
                 del self.bases[path]
