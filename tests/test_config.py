@@ -207,20 +207,3 @@ def test_memshare_memfd_and_debug_read_that_grammar(monkeypatch):
         assert (out == str(logging.DEBUG)) is logs, (value, out)
     failed = run_script("import memshare", env={"MEMSHARE_DEBUG": "2"}, check=False)
     assert failed.returncode != 0 and "MEMSHARE_DEBUG='2' is not understood" in failed.stderr
-
-
-def where_shared_arrays_go(_):
-    made = memshare.full(2**17, 1.0)  # a worker's own shared array: its location is read in the worker
-    return os.environ.get("MEMSHARE_TEMP_FOLDER"), os.environ.get("MEMSHARE_MEMFD"), made.sum()
-
-
-def test_workers_see_memshares_variables_as_the_parent_has_them_at_each_call(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEMSHARE_TEMP_FOLDER", str(tmp_path))
-    monkeypatch.setenv("MEMSHARE_MEMFD", "0")
-    first = memshare.Parallel(n_jobs=2)(delayed(where_shared_arrays_go)(i) for i in range(2))
-    assert first == [(str(tmp_path), "0", 2**17)] * 2
-    monkeypatch.delenv("MEMSHARE_TEMP_FOLDER")
-    monkeypatch.setenv("MEMSHARE_MEMFD", "1")
-    # Workers started under the first call's variables would still read them here.
-    second = memshare.Parallel(n_jobs=2)(delayed(where_shared_arrays_go)(i) for i in range(2))
-    assert second == [(None, "1", 2**17)] * 2

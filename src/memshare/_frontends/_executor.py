@@ -10,10 +10,8 @@ of workers to stop and spawn the other. memshare therefore owns one
 same resource tracker and multiprocessing context, as joblib): it is reused
 from call to call, its idle workers exit after the call's
 ``idle_worker_timeout``, and it is replaced when it broke, was shut down, or
-is asked for with another worker count, environment (joblib's thread
-limits, and memshare's own variables as the parent has them now: a worker
-reads them, and one started before a change would not see it), timeout or
-user initializer (compared with ``==`` as joblib's loky backend does: the same
+is asked for with another worker count, environment, timeout or user
+initializer (compared with ``==`` as joblib's loky backend does: the same
 function object and equal ``initargs`` keep the workers). The user's
 initializer runs after memshare's own, in every worker the executor starts,
 including one that replaces a crashed worker; it travels to the workers with
@@ -32,8 +30,6 @@ from joblib.externals.loky import ProcessPoolExecutor
 
 from .. import _forksafe
 from .._compat import set_loky_leak_limit
-from .._config import ENV_DEBUG, ENV_JOBLIB_TEMP_FOLDER, ENV_PROMOTE, ENV_TEMP_FOLDER
-from .._lifetime._memfd import ENV_MEMFD
 from .._lifetime._owners import owner_identity
 from .._lifetime._temp_folder import leave_loky_semaphores_to_watchdog
 from .._worker._run import watch_parent
@@ -41,8 +37,6 @@ from .._worker._run import watch_parent
 #: The variable newer loky releases read for their leak limit; memshare
 #: honours it in its workers, with no limit by default.
 LEAK_LIMIT_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
-#: The variables memshare's code reads in a worker: where its own shared arrays go, memfds, the log.
-WORKER_VARIABLES = (ENV_TEMP_FOLDER, ENV_JOBLIB_TEMP_FOLDER, ENV_MEMFD, ENV_PROMOTE, ENV_DEBUG)
 
 _lock = _forksafe.lock()  # a call in another thread may hold it when this process forks
 _executor: Optional[ProcessPoolExecutor] = None
@@ -60,8 +54,6 @@ def get_executor(
     """The executor for a call with ``n_jobs`` workers, reused when nothing changed."""
     global _executor, _executor_key, _executor_owner
     initargs = tuple(initargs)
-    # Set, or left out when unset: a change either way starts new workers, which inherit the rest.
-    env = {**env, **{name: os.environ[name] for name in WORKER_VARIABLES if name in os.environ}}
     key = (n_jobs, timeout, tuple(sorted(env.items())), initializer, initargs)
     with _lock:
         if _executor_owner != os.getpid():
