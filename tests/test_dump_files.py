@@ -54,8 +54,7 @@ def test_a_shared_file_stays_while_current_and_an_idle_one_goes_for_room():
     files, deleted = table()
     shared, _ = add(files, "shared", IDLE)
     for _ in range(2):
-        files.release(task := [])  # nothing to release
-        files.use(shared, task)
+        files.use(shared, task := [])
         files.release(task)
     idle, _ = add(files, "idle", IDLE, nbytes=300)
     files.use(idle, task := [])
