@@ -13,7 +13,7 @@ import gc
 import os
 
 import memshare
-from memshare._payload import _broadcast
+from memshare._payload import _broadcast, _drop_log
 
 HELD = 300
 
@@ -68,7 +68,7 @@ def test_tasks_check_nothing_per_broadcast_held():
 def test_copies_of_dropped_broadcasts_go_however_many_were_dropped():
     """More drops between two tasks than the parent's record of drops holds: the worker still lets them go."""
     kept = memshare.broadcast("kept")
-    many = [memshare.broadcast(i) for i in range(3 * _broadcast.DROP_SLOTS)]
+    many = [memshare.broadcast(i) for i in range(3 * _drop_log.DROP_SLOTS)]
     few = [memshare.broadcast(-i) for i in range(3)]
     with memshare.MemmappingPool(1) as pool:
         pool.map(_size_or_value, [kept, *many, *few], chunksize=16)
@@ -90,13 +90,13 @@ def _size_or_value(shared):
 
 def test_a_drop_recorded_inside_another_is_not_lost():
     """Drops are recorded by finalizers, which a garbage collection may run inside another drop's recording."""
-    log = _broadcast._DropLog()
+    log = _drop_log.DropLog()
     first, second = "aa" * 16, "bb" * 16
     log._lock.acquire()  # as if this thread were recording a drop when the collection ran
     try:
         log.add(first)  # must neither wait for itself nor be lost
-        assert _broadcast.read_drops(log.array, 0) == (0, [])
+        assert _drop_log.read_drops(log.array, 0) == (0, [])
     finally:
         log._lock.release()
     log.add(second)
-    assert _broadcast.read_drops(log.array, 0) == (2, [first, second])
+    assert _drop_log.read_drops(log.array, 0) == (2, [first, second])

@@ -164,9 +164,32 @@ def test_object_candidates_are_cheap_to_tell():
     assert not object_candidate(np.zeros(10**6), 1024)  # arrays are routed one by one
     assert not object_candidate({"a": 1, "b": (2, 3)}, 1024)
     assert not object_candidate(big_table(), None)  # max_nbytes=None: nothing leaves the stream
-    assert object_candidate(big_table(100), 1024)
-    assert object_candidate(["x" * 8000] * 3, 1024)
+    assert object_candidate(big_table(10_000), 1024)  # about 170 kB
+    assert not object_candidate(big_table(100), 1024)  # 1.5 kB: below OBJECT_DUMP_MIN, measured exactly
+    assert object_candidate([f"{i}" * 8000 for i in range(10)], 1024)
     assert not object_candidate(["x" * 400] * 3, 1024)  # surely below OBJECT_DUMP_MIN
+    # Plain containers are measured exactly: one 80 kB string ten times pickles once.
+    assert not object_candidate(["x" * 80_000] * 10, 10**6)
+    assert object_candidate(["x" * 80_000] * 10, 1024)
+    big = list(range(10**6))
+    assert object_candidate(big, 1024) and not object_candidate(big, 10**7)
+
+
+def test_plain_values_are_measured_at_most_a_frame_past_the_limit(monkeypatch):
+    from memshare._payload import _plain
+
+    written = []
+    real = _plain._Bounded.write
+
+    def write(self, data):
+        written.append(len(data))
+        return real(self, data)
+
+    monkeypatch.setattr(_plain._Bounded, "write", write)
+    assert _plain.plain_size_below(list(range(10**6)), 100_000) is False
+    assert 100_000 <= sum(written) < 100_000 + 2**17  # stopped, not the whole list's 5 MB
+    assert _plain.plain_size_below({"a": [1.5, "b", None]}, 100) is True
+    assert _plain.plain_size_below([np.zeros(3)], 10**6) is None  # not plain: the walk decides
 
 
 def test_small_objects_stay_in_the_task_whatever_max_nbytes():

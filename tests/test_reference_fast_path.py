@@ -235,3 +235,59 @@ def test_a_held_broadcast_is_not_mapped_again_per_task():
         assert pool.apply(_mapped_so_far, (0,)) == (pid, 0)
         pool.close()
         pool.join()
+
+
+def test_a_small_broadcast_maps_nothing_even_on_its_first_receipt():
+    """A broadcast of at most a page travels in the stream too: a worker's first receipt unpickles it from there."""
+    from memshare._payload._broadcast import INLINE_NBYTES
+
+    small = [memshare.broadcast({"k": i}) for i in range(5)]
+    large = memshare.broadcast({"k": list(range(INLINE_NBYTES))})
+    assert all(item.nbytes <= INLINE_NBYTES for item in small) and large.nbytes > INLINE_NBYTES
+    with memshare.MemmappingPool(1) as pool:
+        assert pool.apply(_size, (memshare.broadcast({"k": 0}),)) == 1  # the worker maps the parent's drop log once
+        pid = pool.apply(_count_mappings, (0,))
+        assert pool.map(_size, small, chunksize=1) == [1] * 5
+        assert pool.apply(_mapped_so_far, (0,)) == (pid, 0)
+        for _ in range(3):  # a large one is mapped once, on its first receipt
+            assert pool.apply(_size, (large,)) == 1
+        assert pool.apply(_mapped_so_far, (0,)) == (pid, 1)
+        pool.close()
+        pool.join()
+
+
+def test_sending_a_broadcast_routes_no_array(monkeypatch):
+    """The parent sends a broadcast as its token and its file, found once per process: no route per task."""
+    from memshare._parent import _arguments
+
+    routed = []
+    real = _arguments.input_route
+    monkeypatch.setattr(_arguments, "input_route", lambda array, *a, **k: routed.append(array) or real(array, *a, **k))
+    shared = memshare.broadcast({"k": list(range(10))})
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        for _ in range(10):
+            session.task_done(session.pack_task(_size, (shared,)).token)
+        assert routed == []
+        assert session.stats.as_dict()["arrays_referenced"] == 1  # counted once, as a shared array is
+    finally:
+        session.close()
+
+
+def test_a_broadcast_dropped_after_its_task_was_packed_lives_until_the_task_is_done():
+    from memshare._payload._broadcast import sent_by_reference
+    from memshare._transport._refs import is_file
+
+    shared = memshare.broadcast({"k": list(range(10))})
+    ref = sent_by_reference(shared)[2]
+    session = Session(Settings.from_user("1M", "r", None, None))
+    try:
+        task = session.pack_task(_size, (shared,))
+        del shared
+        gc.collect()
+        assert is_file(ref.path, (ref.device, ref.inode))  # the task holds it: a worker may not have read it yet
+        session.task_done(task.token)
+        gc.collect()
+        assert not is_file(ref.path, (ref.device, ref.inode))
+    finally:
+        session.close()

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Tuple
 import numpy as np
 
 from .._config import Settings
+from .._payload._broadcast import Broadcast, sent_by_reference
 from .._payload._routes import (
     DUMP_BASE,
     OWN_DUMP,
@@ -87,6 +88,21 @@ class ArgumentRoutes:
             record.error = exc
             raise
 
+    def reduce_broadcast(self, record: TaskRecord, shared: Broadcast) -> Optional[Reduction]:
+        """The pickler's broadcast policy: its token and file, the data kept alive by ``record``; None: as usual."""
+        sent = sent_by_reference(shared)
+        if sent is None:
+            return None
+        reduction, data, ref = sent
+        try:
+            with self._lock:
+                self._check_open()
+                self._note_reference(data, ref, record)
+        except BaseException as exc:
+            record.error = exc
+            raise
+        return reduction
+
     def route_of(self, array: np.ndarray) -> Route:
         """The route of an argument array under this session's settings (pure: nothing is carried out)."""
         return input_route(
@@ -134,11 +150,7 @@ class ArgumentRoutes:
                 log_decision(PICKLED, array, "in the task payload")
             return None
         if route.kind == REFERENCE:
-            if route.ref.kind == SHARED:
-                record.held.append(array)
-            if self._first_sight(array):
-                self._stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
-                log_decision(REFERENCED, array, route.ref.path)
+            self._note_reference(array, route.ref, record)
             return input_reduction(route.ref)
         # The session's own files from here: kept until the task's outcome is restored (see finish).
         if route.kind == OWN_DUMP:
@@ -147,6 +159,14 @@ class ArgumentRoutes:
         if route.kind == DUMP_BASE:
             return own_input_reduction(view_in_dump(array, route.source, self._dump(route, record)))
         return own_input_reduction(self._dump(route, record))
+
+    def _note_reference(self, array: np.ndarray, ref: ArrayRef, record: TaskRecord) -> None:
+        """``array`` goes as a reference to its file ``ref``: a shared one is kept alive; each is counted once."""
+        if ref.kind == SHARED:
+            record.held.append(array)
+        if self._first_sight(array):
+            self._stats.add(arrays_referenced=1, bytes_referenced=array.nbytes)
+            log_decision(REFERENCED, array, ref.path)
 
     def _first_sight(self, array: np.ndarray) -> bool:
         if array in self._seen:

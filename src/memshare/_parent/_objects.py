@@ -109,11 +109,7 @@ class ObjectPacker:
         if max_nbytes is None:
             return []  # nothing leaves the task payloads
         candidates: List[Any] = []
-        for argument in _with_parts(arguments):
-            if type(argument) in PLAIN_TYPES or isinstance(argument, Broadcast):
-                continue
-            if not object_candidate(argument, max_nbytes):
-                continue
+        for argument in _candidates_among(arguments, functools.partial(object_candidate, max_nbytes=max_nbytes)):
             if all(argument is not other for other in candidates):
                 candidates.append(argument)
         if not candidates:
@@ -278,24 +274,25 @@ def _inner_first(objects: List[Any], refers: Dict[int, List[int]]) -> List[Any]:
 _FEW_PARTS = 16
 
 
-def _with_parts(arguments: Iterable[Any], depth: int = 2) -> Iterator[Any]:
-    """Each argument, then the items of those that are small built-in containers, ``depth`` levels down.
+def _candidates_among(arguments: Iterable[Any], may_be_large: Callable[[Any], bool], depth: int = 2) -> Iterator[Any]:
+    """Each argument that ``may_be_large``, then its items when it is a small built-in container, ``depth`` levels down.
 
     ``delayed(f)((table, i))`` passes a new tuple to each task: the tuple is
     small once ``table`` in it is named, and ``table`` is the object to
-    pickle once per call.
+    pickle once per call. A container found small has only small items: they
+    are not looked at.
     """
     for argument in arguments:
         kind = type(argument)
-        if kind in PLAIN_TYPES:
-            continue  # the common case of tiny tasks: nothing to look at
+        if kind in PLAIN_TYPES or isinstance(argument, Broadcast) or not may_be_large(argument):
+            continue  # plain values: the common case of tiny tasks
         yield argument
         if depth == 0:
             continue
         if kind in (tuple, list) and len(argument) <= _FEW_PARTS:
-            yield from _with_parts(argument, depth - 1)
+            yield from _candidates_among(argument, may_be_large, depth - 1)
         elif kind is dict and len(argument) <= _FEW_PARTS:
-            yield from _with_parts(argument.values(), depth - 1)
+            yield from _candidates_among(argument.values(), may_be_large, depth - 1)
 
 
 def task_arguments(func: Any, args: tuple, kwargs: dict) -> List[Any]:

@@ -148,6 +148,7 @@ class Session:
                 reduce_buffer=reduce_buffer,
                 objects=objects,
                 on_arrow=self._arguments.note_arrow if reduce_buffer is not None else None,
+                reduce_broadcast=functools.partial(self._arguments.reduce_broadcast, record),
             )
         except Exception as exc:
             self._abandon(record)

@@ -12,22 +12,23 @@ Lifetime: the shared array is deleted when the parent's broadcast is garbage
 collected (see ``_shared_store``); a worker lets its copy go at its next task
 after that, or when it exits. A worker may hold thousands of copies, so it
 does not look at each before every task: the parent records the token of each
-broadcast whose file it deleted in its drop log (:class:`_DropLog`, a small
-shared array that travels with every broadcast), and a worker reads only the
-entries added since its last task (:func:`prune_received`). The snapshot is
+broadcast whose file it deleted in its drop log (``_drop_log``, a small
+shared array whose address travels with every broadcast), and a worker reads only the
+entries added since its last task (:func:`prune_received`). memshare's own
+pickler sends a broadcast as its token and its file (:func:`sent_by_reference`):
+a worker holding the copy maps nothing, whatever it holds. The snapshot is
 the contract in every process: a forked child (a ``context="fork"`` pool's
 worker) does not take the parent's own object for a broadcast it inherited.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import pickle
 import secrets
 import struct
 import weakref
-from typing import Any, Deque, Dict, Generic, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -35,16 +36,17 @@ import numpy as np
 from .. import _forksafe
 from .._transport._backing import find_backing, mapped_file
 from .._transport._mapping import array_from_ref, forget_mapping
-from .._transport._refs import SHARED, ArrayRef, is_file
+from .._transport._refs import ArrayRef, is_file
 from .._transport._shared_store import new_shared_array
+from ._drop_log import LogAddress, drop_log, map_log, mapping_of, read_drops
 
 T = TypeVar("T")
 
 _ALIGN = 64  # every buffer starts on a 64-byte boundary: NumPy and Arrow need aligned data
 _COUNT = struct.Struct("<Q")
-#: Where a drop log is: (path, device, inode, size in bytes) of its shared file.
-LogAddress = Tuple[str, int, int, int]
 _SPAN = struct.Struct("<QQ")  # offset, length
+#: A broadcast whose pickled data is at most this size travels in each task's stream too (see sent_by_reference).
+INLINE_NBYTES = 4096
 
 
 class Broadcast(Generic[T]):
@@ -77,13 +79,15 @@ class Broadcast(Generic[T]):
     ([1, 2, 3], True)
     """
 
-    __slots__ = ("_value", "_data", "_token", "_drops", "__weakref__")
+    __slots__ = ("_value", "_data", "_token", "_drops", "_file", "__weakref__")
 
     def __init__(self, value: T, data: np.ndarray, token: str, drops: Optional[LogAddress] = None) -> None:
         self._value = value
         self._data = data
         self._token = token
-        self._drops = drops  # where the parent's drop log is (see _DropLog)
+        self._drops = drops  # where the parent's drop log is (see _drop_log)
+        # (pid, reference to the data's file) once memshare's pickler sent it: see sent_by_reference.
+        self._file: Optional[Tuple[int, ArrayRef]] = None
 
     @property
     def value(self) -> T:
@@ -158,19 +162,36 @@ def broadcast(obj: T) -> Broadcast[T]:
     for buffer in buffers:
         buffer.release()
     token = secrets.token_hex(16)
-    drops = _drop_log(token)
+    drops = drop_log(token)
     # When the file goes (the last view of the data collected), workers are told.
-    weakref.finalize(_mapping_of(data), drops.add, token)
+    weakref.finalize(mapping_of(data), drops.add, token)
     shared = Broadcast(obj, data, token, drops.address)
     _sent.put(token, shared)
     return shared
 
 
-def _mapping_of(data: np.ndarray) -> np.ndarray:
-    """The mapping under a shared array (``_shared_store``'s): its file is deleted when this object is collected."""
-    while not (isinstance(data, np.memmap) and getattr(data, "filename", None)) and isinstance(data.base, np.ndarray):
-        data = data.base
-    return data
+def sent_by_reference(shared: Broadcast) -> Optional[Tuple[Tuple[Any, ...], np.ndarray, ArrayRef]]:
+    """How memshare's pickler sends ``shared`` to its workers: its token and its data's file, not the array.
+
+    Returns the reduction, the data array, which the task must keep alive
+    until it is done (the file goes with its last view), and the reference to
+    its file; None when the data is not in a file. A worker holding its copy
+    then maps nothing (:func:`_receive_file`), and the sender finds the file
+    once per process, not once per task. Data of at most ``INLINE_NBYTES``
+    also travels in the stream: a worker's first receipt then maps nothing
+    either, where a mapping would cost a page and five system calls.
+    """
+    pid, file, data = os.getpid(), shared._file, shared._data
+    if file is None or file[0] != pid:  # a forked child names the file by its own descriptor
+        ref = find_backing(data)
+        if ref is None or ref.shape != (data.nbytes,) or ref.strides != (1,) or ref.dtype != np.uint8:
+            return None
+        file = shared._file = (pid, ref)
+    ref = file[1]
+    # Plain values, not the ArrayRef: a worker holding the copy builds nothing to find it.
+    where = (ref.path, ref.device, ref.inode, ref.kind, ref.mode, ref.offset, data.nbytes)
+    inline = data.tobytes() if data.nbytes <= INLINE_NBYTES else None
+    return (_receive_file, (shared._token, where, shared._drops, inline)), data, ref
 
 
 def _aligned(offset: int) -> int:
@@ -184,127 +205,6 @@ def _load(data: np.ndarray) -> Any:
     spans = [_SPAN.unpack_from(view, _COUNT.size + index * _SPAN.size) for index in range(count + 1)]
     (start, length), buffers = spans[0], [view[offset : offset + size] for offset, size in spans[1:]]
     return pickle.loads(view[start : start + length], buffers=buffers)
-
-
-#: Tokens a drop log holds: a worker that missed more drops than this between two tasks checks all its copies.
-DROP_SLOTS = 256
-_TOKEN_BYTES = 16  # secrets.token_hex(16)
-_DROP_COUNT = struct.Struct("<Q")
-
-
-class _DropLog:
-    """The tokens of the broadcasts whose file this process deleted, in a ring workers read.
-
-    A shared array: a count of drops, then the last ``DROP_SLOTS`` tokens. The
-    slot is written before the count is raised, and a reader that finds the
-    count moved more than ``DROP_SLOTS`` past what it read last (the ring
-    went round) checks every copy instead. One per process at a time, made
-    by a broadcast when there is none, and let go of once every broadcast it
-    logs has been dropped (its file goes; workers keep their own mappings,
-    which already show every drop); a forked child makes its own.
-    """
-
-    def __init__(self) -> None:
-        self.array = new_shared_array((_DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES,), np.dtype(np.uint8), "C")
-        # Tokens of this log's broadcasts whose file still exists. A set: add and discard are atomic, so a
-        # finalizer running inside another thread's bookkeeping needs no lock for it.
-        self.live: Set[str] = set()
-        self._lock = _forksafe.lock()
-        self._pending: Deque[str] = collections.deque()
-        self._pid = os.getpid()
-        # Sent as plain values, not as the array: a shared array would cost each task a route and a
-        # mapping per broadcast it names, and a worker needs to map the log only once. None when
-        # unknown: workers then check each copy's file before every task, as without a log.
-        self.address: Optional[LogAddress] = None
-        path = getattr(_mapping_of(self.array), "filename", None)
-        try:
-            info = os.stat(path) if path else None
-        except OSError:
-            info = None
-        if info is not None:
-            self.address = (path, info.st_dev, info.st_ino, int(self.array.nbytes))
-
-    def add(self, token: str) -> None:
-        """Record a drop. Called by a finalizer: a collection may run it inside another ``add``, in the same thread."""
-        if os.getpid() != self._pid:
-            return  # a forked child's inherited finalizer: the parent still holds the broadcast
-        self._pending.append(token)
-        # Whoever holds the lock writes what is pending, this token included (it was
-        # queued before the lock was tried); the holder looks again after releasing it.
-        while self._pending:
-            if not self._lock.acquire(blocking=False):
-                return
-            try:
-                while self._pending:
-                    token = self._pending.popleft()
-                    self._write(token)
-                    self.live.discard(token)
-            finally:
-                self._lock.release()
-        if not self.live:
-            _let_go_of_log(self)
-
-    def _write(self, token: str) -> None:
-        (count,) = _DROP_COUNT.unpack_from(self.array, 0)
-        slot = _DROP_COUNT.size + (count % DROP_SLOTS) * _TOKEN_BYTES
-        self.array[slot : slot + _TOKEN_BYTES] = np.frombuffer(bytes.fromhex(token), np.uint8)
-        _DROP_COUNT.pack_into(self.array, 0, count + 1)  # after the slot: readers trust slots below the count
-
-
-def _map_log(address: Any) -> Optional[np.ndarray]:
-    """A worker's own read-only mapping of a parent's drop log; None when it cannot be mapped (another machine)."""
-    try:
-        path, device, inode, size = address
-        ref = ArrayRef(path, int(device), int(inode), SHARED, "r", 0, (int(size),), (1,), np.dtype(np.uint8))
-        log = array_from_ref(ref, cached=False)
-    except (OSError, ValueError, TypeError):
-        return None
-    return log if log.nbytes >= _DROP_COUNT.size + DROP_SLOTS * _TOKEN_BYTES else None
-
-
-def read_drops(log: np.ndarray, since: int) -> Tuple[int, Optional[List[str]]]:
-    """(count now, tokens dropped since the count ``since``), or the tokens None when the ring went round."""
-    (count,) = _DROP_COUNT.unpack_from(log, 0)
-    if count - since > DROP_SLOTS or count < since:
-        return count, None
-    tokens = []
-    for index in range(since, count):
-        slot = _DROP_COUNT.size + (index % DROP_SLOTS) * _TOKEN_BYTES
-        tokens.append(bytes(log[slot : slot + _TOKEN_BYTES]).hex())
-    # The parent may have written over the slots read meanwhile: then they prove nothing.
-    (now,) = _DROP_COUNT.unpack_from(log, 0)
-    return (count, tokens) if now - since <= DROP_SLOTS else (now, None)
-
-
-_drops: Optional[_DropLog] = None
-_drops_lock = _forksafe.lock()
-
-
-def _drop_log(token: str) -> _DropLog:
-    """The process's drop log, made if there is none, now logging the broadcast ``token``."""
-    global _drops
-    with _drops_lock:
-        if _drops is None:
-            _drops = _DropLog()
-        _drops.live.add(token)
-        return _drops
-
-
-def _let_go_of_log(log: _DropLog) -> None:
-    """``log`` logs no live broadcast: the next broadcast makes a new one, and its file goes.
-
-    Called from a finalizer, perhaps while this thread holds the lock inside
-    ``_drop_log``: it does not wait for the lock, and a log it cannot let go
-    of now stays until its next drop or the process's end.
-    """
-    global _drops
-    if not _drops_lock.acquire(blocking=False):
-        return
-    try:
-        if _drops is log and not log.live:
-            _drops = None
-    finally:
-        _drops_lock.release()
 
 
 class _Sent:
@@ -350,11 +250,11 @@ class _Received:
         self._unlogged = False  # a copy kept without a drop log: check every copy before each task
 
     def get(self, token: str, data: np.ndarray, drops: Optional[LogAddress] = None) -> Broadcast:
+        """The copy of a broadcast whose data came as an array (pickled by its ``__reduce__``)."""
         with self._lock:
             entry = self._entries.get(token)
         if entry is not None and entry[1] == getattr(data, "filename", None):
-            # Held already (tokens are random: the same path is the same file): the cheap way, as
-            # every later task naming it goes, with the mapping it came over not cached.
+            # Held already (tokens are random: the same path is the same file); the mapping it came over not cached.
             forget_mapping(entry[1], *entry[2])
             return entry[0]
         # The file memshare mapped the data from (no system call), else whatever file backs it.
@@ -363,28 +263,46 @@ class _Received:
             # By value (another pickler): nothing to key a copy's lifetime by, so none is kept.
             return Broadcast(_load(data), data, token)
         # The copy holds its data's mapping for as long as it is kept: the cache need
-        # not, nor check its file before each task. Later receipts are views of that
-        # mapping (the cache finds it while it lives), not new mappings.
+        # not, nor check its file before each task.
         forget_mapping(backing.path, backing.device, backing.inode)
-        log_key = tuple(drops[1:3]) if drops is not None else None
+        return self.keep(token, data, backing.path, (backing.device, backing.inode), drops)
+
+    def keep(
+        self, token: str, data: np.ndarray, path: str, identity: Tuple[int, int], drops: Optional[LogAddress]
+    ) -> Broadcast:
+        """This process's copy of the broadcast ``token`` in the file ``path``: unpickled from ``data`` unless held."""
+        self._watch(drops)
         with self._lock:
             entry = self._entries.get(token)
-            known = log_key in self._logs
-        if not known:
-            log = _map_log(drops) if drops is not None else None
-            with self._lock:
-                if log is None:
-                    self._unlogged = True
-                elif log_key not in self._logs:
-                    # Drops before this one cannot name a broadcast a task is reading now.
-                    self._logs[log_key] = [log, read_drops(log, 0)[0]]
-        if entry is not None and entry[2] == (backing.device, backing.inode):
+        if entry is not None and entry[1] == path and entry[2] == identity:
             return entry[0]
         shared = Broadcast(_load(data), data, token)
         # Two threads of one worker may both unpickle a new broadcast; the first kept wins.
         with self._lock:
-            entry = self._entries.setdefault(token, (shared, backing.path, (backing.device, backing.inode)))
+            entry = self._entries.setdefault(token, (shared, path, identity))
         return entry[0]
+
+    def _watch(self, drops: Optional[LogAddress]) -> None:
+        """Read the drop log at ``drops`` before each task from now on (mapped once); None: check every copy."""
+        log_key = tuple(drops[1:3]) if drops is not None else None
+        with self._lock:
+            if log_key in self._logs:
+                return
+        log = map_log(drops) if drops is not None else None
+        with self._lock:
+            if log is None:
+                self._unlogged = True
+            elif log_key not in self._logs:
+                # Drops before this one cannot name a broadcast a task is reading now.
+                self._logs[log_key] = [log, read_drops(log, 0)[0]]
+
+    def held(self, token: str, path: str, identity: Tuple[int, int]) -> Optional[Broadcast]:
+        """This process's copy of the broadcast ``token`` whose data is the file ``path``, if it holds one."""
+        with self._lock:
+            entry = self._entries.get(token)
+        if entry is not None and entry[1] == path and entry[2] == identity:
+            return entry[0]
+        return None
 
     def prune(self) -> None:
         """Let go of the broadcasts their parents dropped since the last call."""
@@ -416,19 +334,13 @@ class _Received:
 
 # Per process, as the mapping cache is: a worker's copies serve every task it runs.
 # A forked child keeps the copies it inherited (they are valid snapshots) but not
-# the parent's own objects, nor its drop log (see _after_fork_in_child).
+# the parent's own objects, nor its drop log (see _drop_log).
 _sent = _Sent()
 _received = _Received()
 
 
-def _after_fork_in_child() -> None:
-    global _drops
-    _sent.forget_after_fork()
-    _drops = None  # the parent's: this process's broadcasts get a log of their own
-
-
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=_sent.forget_after_fork)
 
 
 def _receive(token: str, data: np.ndarray, drops: Optional[LogAddress] = None) -> Broadcast:
@@ -438,6 +350,30 @@ def _receive(token: str, data: np.ndarray, drops: Optional[LogAddress] = None) -
         return own
     _received.prune()
     return _received.get(token, data, drops)
+
+
+def _receive_file(
+    token: str, where: Tuple[Any, ...], drops: Optional[LogAddress], inline: Optional[bytes] = None
+) -> Broadcast:
+    """Unpickling a broadcast sent by :func:`sent_by_reference`: read only on a first receipt, from ``inline`` if
+    given, else from its file, mapped for as long as the copy is kept.
+
+    ``where`` is (path, device, inode, kind, mode, offset, size in bytes) of its data in its file. Copies
+    are pruned before each task (``prune_received``), not here: the task holds this broadcast alive.
+    """
+    own = _sent.get(token)
+    if own is not None:
+        return own
+    path, device, inode, kind, mode, offset, nbytes = where
+    copy = _received.held(token, path, (device, inode))
+    if copy is not None:
+        return copy
+    if inline is not None:
+        data = np.frombuffer(inline, np.uint8)
+    else:
+        ref = ArrayRef(path, device, inode, kind, mode, offset, (nbytes,), (1,), np.dtype(np.uint8))
+        data = array_from_ref(ref, cached=False)
+    return _received.keep(token, data, path, (device, inode), drops)
 
 
 def prune_received() -> None:

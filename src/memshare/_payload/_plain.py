@@ -82,6 +82,47 @@ def _refuse_buffer(buffer: pickle.PickleBuffer) -> bool:
     raise _NotPlain
 
 
+class _TooLarge(Exception):
+    pass
+
+
+class _Bounded:
+    """A file that counts what is written to it and stops the pickler once ``limit`` bytes are reached.
+
+    The pickler writes whole frames (64 KiB with protocol 5), so it stops at most a frame past the limit.
+    """
+
+    __slots__ = ("written", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self.written, self._limit = 0, limit
+
+    def write(self, data: Any) -> int:
+        self.written += len(data)
+        if self.written >= self._limit:
+            raise _TooLarge
+        return len(data)
+
+
+def plain_size_below(value: Any, limit: int) -> Optional[bool]:
+    """Whether ``value``, made only of builtin containers and plain values, pickles to fewer than ``limit`` bytes;
+    None when it holds anything else.
+
+    The standard pickler measures such a value at C speed, with the size its
+    stream would have in a task (memshare's pickler makes the same, see
+    :func:`plain_stream`), and stops at the limit: a large list is not
+    pickled whole to find it is large.
+    """
+    sink = _Bounded(limit)
+    try:
+        _PlainPickler(sink, protocol=5, buffer_callback=_refuse_buffer).dump(value)
+    except _TooLarge:
+        return False
+    except Exception:  # _NotPlain, or anything the full pass will report properly
+        return None
+    return sink.written < limit
+
+
 def plain_stream(value: Any) -> Optional[bytes]:
     """``value`` pickled when it holds only builtin containers and plain values, for which the standard
     pickler makes the stream memshare's would; else None.
@@ -103,4 +144,4 @@ def plain_stream(value: Any) -> Optional[bytes]:
     return buffer.getvalue()
 
 
-__all__ = ["plain_call", "plain_stream"]
+__all__ = ["plain_call", "plain_size_below", "plain_stream"]

@@ -71,6 +71,10 @@ Reducers = Mapping[type, Callable[[Any], Any]]
 #: for it in the envelope (an ``ArrayRef`` or a slot number), or None to keep it in the stream.
 ReduceBuffer = Callable[[pickle.PickleBuffer], Optional[Any]]
 
+#: The sender's reduction of a broadcast (``_broadcast.sent_by_reference``, noted
+#: in the task's record), or None to pickle it as its own ``__reduce__`` says.
+ReduceBroadcast = Callable[[Broadcast], Optional[Reduction]]
+
 
 class _Pickler(cloudpickle.Pickler):
     def __init__(
@@ -80,9 +84,11 @@ class _Pickler(cloudpickle.Pickler):
         reducers: Optional[Reducers] = None,
         buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
         on_arrow: Optional[Callable[[Any], None]] = None,
+        reduce_broadcast: Optional[ReduceBroadcast] = None,
     ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._reduce_array = reduce_array
+        self._reduce_broadcast = reduce_broadcast
         self._reducers = reducers or {}
         self._on_arrow = on_arrow
         self._arrow_owners = _arrow_owner_classes() if on_arrow is not None else ()
@@ -107,7 +113,13 @@ class _Pickler(cloudpickle.Pickler):
                 # a memmap without a file on the other side.
                 return _plain_reduction(obj)
             return NotImplemented
-        if type(obj) is ArrayRef or type(obj) is Broadcast:  # before the lookups below, which would all miss
+        if type(obj) is Broadcast:  # before the lookups below, which would all miss
+            if self._reduce_broadcast is not None:
+                reduced = self._reduce_broadcast(obj)
+                if reduced is not None:
+                    return reduced
+            return obj.__reduce__()
+        if type(obj) is ArrayRef:
             return obj.__reduce__()
         if type(obj) is types.CodeType:
             return _code_reduction(obj)
@@ -238,8 +250,9 @@ class _ObjectPickler(_Pickler):
         buffer_callback: Optional[Callable[[pickle.PickleBuffer], bool]] = None,
         on_object: Optional[Callable[[int], None]] = None,
         on_arrow: Optional[Callable[[Any], None]] = None,
+        reduce_broadcast: Optional[ReduceBroadcast] = None,
     ) -> None:
-        super().__init__(file, reduce_array, reducers, buffer_callback, on_arrow)
+        super().__init__(file, reduce_array, reducers, buffer_callback, on_arrow, reduce_broadcast)
         self._indices = indices
         self._on_object = on_object
 
@@ -261,6 +274,7 @@ def pack(
     objects: Sequence[Tuple[Any, Any]] = (),
     on_object: Optional[Callable[[int], None]] = None,
     on_arrow: Optional[Callable[[Any], None]] = None,
+    reduce_broadcast: Optional[ReduceBroadcast] = None,
 ) -> bytes:
     """Pickle ``obj``; ``reduce_array`` may reduce each array, ``slot_of`` may put it in a slot instead.
 
@@ -274,7 +288,8 @@ def pack(
     its payload), which ``_unpacking.unpack`` turns back into one object;
     ``on_object`` is told the index of each one met. ``on_arrow`` is told
     each Arrow object (array, chunked array, record batch, table) met, before
-    its buffers are offered.
+    its buffers are offered. ``reduce_broadcast`` may reduce each
+    :class:`~._broadcast.Broadcast` met (see :data:`ReduceBroadcast`).
     """
     buffer = io.BytesIO()
     placeholders: List[Any] = []
@@ -292,9 +307,11 @@ def pack(
         pickler: _Pickler = _SlotPickler(buffer, reduce_array, slot_of, reducers, callback)
     elif objects:
         indices = {id(o): i for i, (o, _) in enumerate(objects)}
-        pickler = _ObjectPickler(buffer, reduce_array, indices, reducers, callback, on_object, on_arrow)
+        pickler = _ObjectPickler(
+            buffer, reduce_array, indices, reducers, callback, on_object, on_arrow, reduce_broadcast
+        )
     else:
-        pickler = _Pickler(buffer, reduce_array, reducers, callback, on_arrow)
+        pickler = _Pickler(buffer, reduce_array, reducers, callback, on_arrow, reduce_broadcast)
     pickler.dump(obj)
     if not placeholders and not objects:
         return buffer.getvalue()
@@ -324,6 +341,7 @@ def pack_result(value: Any, policy: ResultSlots, reducers: Optional[Reducers] = 
 
 __all__ = [
     "Reducers",
+    "ReduceBroadcast",
     "ReduceBuffer",
     "ResultSlots",
     "by_value",

@@ -21,6 +21,7 @@ from .._config import over_max_nbytes
 from .._transport._backing import find_backing, is_copy_on_write, maps_privately
 from .._transport._refs import DUMP, HELD, SHARED, USER, ArrayRef, data_address, root_array
 from ._main_values import PLAIN_TYPES
+from ._plain import plain_size_below
 
 # Arguments (input_route):
 #: In the stream, by value: small arrays, object dtypes, empty arrays.
@@ -301,16 +302,22 @@ OBJECT_DUMP_MIN = 64 * 1024
 def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
     """True when the argument ``obj`` may pickle to more than ``max_nbytes``: then pickle it alone to know.
 
-    Cheap and conservative: a walk of at most ``_LOOK_AT`` objects through
-    built-in containers, scalars, text and arrays, adding an upper bound of
-    each one's pickled size (large arrays count as references, which they
-    travel as), says "surely smaller" or gives up. Anything else (a class
-    instance: a DataFrame, a fitted model) is a candidate. Scalars, text,
-    arrays and code are never candidates themselves.
+    Cheap and conservative: built-in containers of plain values are measured
+    exactly by the standard pickler (:func:`~._plain.plain_size_below`);
+    otherwise a walk of at most ``_LOOK_AT`` objects through built-in
+    containers, scalars, text and arrays, adding an upper bound of each one's
+    pickled size (large arrays count as references, which they travel as),
+    says "surely smaller" or gives up. Anything else (a class instance: a
+    DataFrame, a fitted model) is a candidate. Scalars, text, arrays and code
+    are never candidates themselves.
     """
     if max_nbytes is None or isinstance(obj, _NEVER_OBJECTS):
         return False
-    return not _surely_smaller(obj, max(max_nbytes + 1, OBJECT_DUMP_MIN))
+    limit = max(max_nbytes + 1, OBJECT_DUMP_MIN)
+    smaller = plain_size_below(obj, limit)
+    if smaller is not None:
+        return not smaller
+    return not _surely_smaller(obj, limit)
 
 
 def _surely_smaller(obj: Any, limit: int) -> bool:
