@@ -479,11 +479,7 @@ LAYERS = (("_frontends",), ("_parent", "_worker"), ("_payload",), ("_transport",
 #: Top-level private modules every layer may use: they import nothing of memshare's but each other.
 BASE = ("_errors", "_config", "_compat", "_stats", "_forksafe")
 #: Imports that go the wrong way today, each with why; the list only shrinks.
-UPWARD = {
-    ("memshare._payload._torch", "memshare._parent._held_once"): (
-        "a torch tensor's storage is vouched for as holdable when the tensor is reduced"
-    ),
-}
+UPWARD: Dict[Tuple[str, str], str] = {}
 
 
 def _module_rows(folder: Path, prefix: str) -> Dict[str, str]:

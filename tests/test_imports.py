@@ -110,3 +110,30 @@ with joblib.parallel_config(backend="memshare"):
 """
     result = run_script(code)
     assert result.stdout.strip().endswith("[0, 1, 2]"), result.stdout + result.stderr
+
+
+WORKER_SCRIPT = """
+import json, sys
+import memshare
+
+def parents_side(_):
+    import sys
+    # memshare.backend is imported in the backend's workers: joblib sends the backend along with every batch.
+    prefixes = ("memshare._parent", "memshare._frontends", "memshare.pool", "memshare.parallel")
+    return sorted(name for name in sys.modules if name.startswith(prefixes))
+
+if sys.argv[1] == "Parallel":
+    workers = memshare.Parallel(n_jobs=2)(memshare.delayed(parents_side)(i) for i in range(4))
+else:
+    with memshare.MemmappingPool(2, context=sys.argv[1]) as pool:
+        workers = pool.map(parents_side, range(4), chunksize=1)
+print(json.dumps(workers))
+"""
+
+
+@pytest.mark.parametrize("how", ["Parallel", "forkserver", "spawn"])
+def test_workers_import_nothing_of_the_parents_side(shm_dir, how):
+    """A worker imports what runs in it: no session, dump table, feed or front end (a fork inherits them)."""
+    code = WORKER_SCRIPT.replace("sys.argv[1]", repr(how))
+    workers = json.loads(run_script(code).stdout.strip().splitlines()[-1])
+    assert workers == [[], [], [], []]

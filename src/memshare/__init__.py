@@ -21,11 +21,13 @@ from ._payload._broadcast import Broadcast, broadcast
 from ._registration import register_when_joblib_is_imported
 from ._stats import last_call_stats
 from .arrays import empty, full, is_shared, share, zeros
-from .pool import MemmapingPool, MemmappingPool
 
-# What needs joblib is imported on first use: a MemmappingPool and its workers need none of it, and joblib
-# with loky costs them more than the rest of memshare. The backend is registered all the same (_registration).
+# Imported on first use. What needs joblib: a MemmappingPool and its workers need none of it, and joblib with
+# loky costs them more than the rest of memshare; the backend is registered all the same (_registration). The
+# pool: worker processes import this package too, and need none of the parent's side it brings.
 _LAZY = {
+    "MemmappingPool": "pool",
+    "MemmapingPool": "pool",
     "MemshareBackend": "backend",
     "register_backend": "backend",
     "Parallel": "parallel",

@@ -16,7 +16,7 @@ never restarts the workers.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import joblib
 from joblib.externals.loky.process_executor import (
@@ -42,12 +42,17 @@ from ._compat import (
 )
 from ._config import Settings
 from ._errors import WorkerDiedError, describe_exit
-from ._frontends._deferred import DeferredFeed
-from ._frontends._executor import discard_executor, get_executor
-from ._frontends._feed import run_or_return
 from ._lifetime._holdings import held_bytes
-from ._parent._session import Session
 from ._stats import CallStats, enable_logging, record_finished
+from ._worker._entry import run_or_return
+
+if TYPE_CHECKING:
+    from ._frontends._deferred import DeferredFeed
+    from ._parent._session import Session
+
+# The parent's side of a call (its session, feed and executor) is imported by the methods that run one, not
+# with this module: joblib sends the backend along with every batch (for nested calls), so each worker
+# unpickles it, and a worker needs none of that side.
 
 BACKEND_NAME = "memshare"
 
@@ -220,6 +225,9 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
                 f"initializer must be a callable run in each worker, got {self._initializer!r}; "
                 "pass a function and its arguments as initargs=(...)"
             )
+        from ._frontends._deferred import DeferredFeed
+        from ._parent._session import Session
+
         self._executor = self._get_executor()
         if self._session is not None:
             self._session.close()
@@ -228,6 +236,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         return n_jobs
 
     def _get_executor(self):
+        from ._frontends._executor import get_executor
+
         return get_executor(
             self._n_jobs,
             self._timeout,
@@ -281,6 +291,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
             # idle): this call starts on a new one. A break during this call
             # still fails the call, through its earlier futures. joblib
             # dispatches under its lock: no waiting for the old executor.
+            from ._frontends._executor import discard_executor
+
             discard_executor(self._executor, wait=False)
             self._executor = self._get_executor()
             future = self._executor.submit(run_or_return, deferred)
@@ -334,6 +346,8 @@ class MemshareBackend(AutoBatchingMixin, ParallelBackendBase):
         """Stop the call's remaining tasks by killing the workers, as joblib's loky backend does."""
         self._epoch += 1
         if self._executor is not None:
+            from ._frontends._executor import discard_executor
+
             discard_executor(self._executor)
         self._executor = None
         if ensure_ready:

@@ -18,16 +18,15 @@ by themselves when the parent dies.
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import os
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import cloudpickle
 
-from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, preload_in_fork_server
+from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, start_fork_server_with, worker_process
 from ._config import Settings, check_temp_folder
-from ._frontends._feed import TaskFeed, run_pool_task, start_pool_worker
+from ._frontends._feed import TaskFeed
 from ._frontends._pool_args import (
     TEMP_FOLDER_HINT,
     check_chunksize,
@@ -37,9 +36,7 @@ from ._frontends._pool_args import (
     check_processes,
     check_reducers,
     check_verbose,
-    pseudo_main_hidden,
     resolve_context,
-    worker_process,
 )
 from ._frontends._pool_results import ChunkedMapResult, join_chunks, length_of, with_progress_bar
 from ._frontends._worker_watch import WorkerWatch
@@ -48,6 +45,7 @@ from ._parent._session import Session
 from ._payload._main_functions import MainFunctions
 from ._payload._reducers import Reducers
 from ._stats import enable_logging
+from ._worker._entry import run_pool_task, start_pool_worker
 
 
 class MemmappingPool(PoolWithHooks):
@@ -173,14 +171,11 @@ class MemmappingPool(PoolWithHooks):
         check_context_id(context_id)
         context = resolve_context(context)
         if context.get_start_method() == "forkserver":
-            # Workers forked from a server that has memshare (and numpy, not
-            # joblib: see _registration) imported start at once; otherwise each
-            # imports it, and a second pool or a replacement worker pays that again.
-            preload_in_fork_server("memshare")
+            # Workers forked from a server that has memshare (and numpy, not joblib: see _registration)
+            # imported start at once; otherwise each imports it, and a replacement worker pays that again.
             # Started now, not by the first worker: the server imports memshare while this process sets up
             # the pool's session (the memfd probe, a folder, a socket), instead of after.
-            with pseudo_main_hidden():  # the server preloads __main__ from its __file__, if it has a real one
-                multiprocessing.forkserver.ensure_running()
+            start_fork_server_with("memshare")
         self._session = Session(
             settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
         )

@@ -46,7 +46,10 @@ from ._processes import (
     pool_size,
     pool_workers,
     preload_in_fork_server,
+    pseudo_main_hidden,
     reinit_lock,
+    start_fork_server_with,
+    worker_process,
 )
 
 
@@ -86,10 +89,13 @@ __all__ = [
     "pool_size",
     "pool_workers",
     "preload_in_fork_server",
+    "pseudo_main_hidden",
     "reinit_lock",
     "set_auto_batch_size",
     "set_loky_leak_limit",
     "set_memmap_owner",
+    "start_fork_server_with",
     "terminated_worker_exit_codes",
     "worker_env",
+    "worker_process",
 ]

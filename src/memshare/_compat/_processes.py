@@ -1,13 +1,20 @@
-"""multiprocessing's and threading's private names: the pool's hooks and state, the fork server, lock resets."""
+"""multiprocessing's and threading's private names: the pool's hooks and state, the fork server, lock resets.
+
+And the process classes a pool starts its workers with: a child imports them by name, so they live here, in
+a module a worker imports anyway, not with the pool.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.context
 import multiprocessing.forkserver as _mp_forkserver
 import multiprocessing.pool as _mp_pool
+import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 from ._probes import takes_parameter
 
@@ -155,3 +162,78 @@ def reinit_lock(lock: Any) -> None:
     reinit = getattr(lock, "_at_fork_reinit", None)
     if reinit is not None:
         reinit()
+
+
+class _StartsWithoutPseudoMain:
+    """A worker process that starts even when ``__main__`` came from standard input.
+
+    Under forkserver and spawn, a new process re-runs the parent's
+    ``__main__`` from its ``__file__``. A script piped to the interpreter
+    (``python - < script.py``, a heredoc) has the ``__file__`` ``'<stdin>'``,
+    which names no file, so every worker would die at start with
+    ``FileNotFoundError``. Such a ``__main__`` is treated as ``python -c``
+    treats its own: not re-run. memshare sends the functions of a
+    ``__main__`` without a file by value (see ``_main_functions``), so the
+    workers need nothing from it.
+
+    The attribute is hidden only for the instant of ``start()``, which reads
+    it synchronously, under a lock shared by all pools of the process (the
+    worker handler thread of one pool may start a replacement worker while
+    another pool starts its own).
+    """
+
+    def start(self) -> None:
+        with pseudo_main_hidden():
+            super().start()  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def pseudo_main_hidden() -> Iterator[None]:
+    """While inside, a ``__main__`` from standard input (``__file__`` like ``'<stdin>'``) has no ``__file__``.
+
+    For whatever reads it to start a process: a worker's ``start()``, and the
+    fork server's own start, which preloads ``__main__`` from that path (from
+    Python 3.14 a path that names no file kills the server, and with it every
+    worker).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not (isinstance(path, str) and path.startswith("<") and path.endswith(">")):
+        yield
+        return
+    with _MAIN_FILE_LOCK:
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
+
+
+# Process-wide because __main__ is: every pool that hides its __file__ takes it.
+_MAIN_FILE_LOCK = threading.Lock()
+
+# Module level, so that the process object, pickled to the fork server or the
+# spawned child, is found again there by name.
+_PROCESS_CLASSES: Dict[type, type] = {}
+for _name in ("ForkServerProcess", "SpawnProcess"):
+    _base = getattr(multiprocessing.context, _name, None)
+    if _base is not None:
+        _PROCESS_CLASSES[_base] = type(_name, (_StartsWithoutPseudoMain, _base), {"__module__": __name__})
+        globals()[_name] = _PROCESS_CLASSES[_base]
+del _name, _base
+
+
+def start_fork_server_with(module: str) -> None:
+    """Start the fork server now, with ``module`` among those it imports first (see :func:`preload_in_fork_server`).
+
+    The server preloads ``__main__`` from its ``__file__`` too, when it has a real one (see :func:`pseudo_main_hidden`).
+    """
+    preload_in_fork_server(module)
+    with pseudo_main_hidden():
+        _mp_forkserver.ensure_running()
+
+
+def worker_process(context: Any, *args: Any, **kwargs: Any) -> Any:
+    """A new worker process of ``context`` (not started): ``context.Process``, made safe for a piped ``__main__``."""
+    process_class = _PROCESS_CLASSES.get(context.Process, context.Process)
+    return process_class(*args, **kwargs)

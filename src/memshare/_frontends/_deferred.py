@@ -17,7 +17,7 @@ dumps also wait for room among the running ones (``_heavy``).
 The feeder thread has nobody to raise to: loky turns a pickling error into a
 ``PicklingError`` that names neither the argument nor memshare's own errors (no
 room for a dump...). A batch that cannot be packed therefore travels as an
-:class:`~memshare._frontends._dispatch.Unsent` placeholder, which the worker returns at once,
+:class:`~memshare._transport._protocol.Unsent` placeholder, which the worker returns at once,
 and :meth:`DeferredFeed.outcome` turns it back into the original exception
 object in the parent.
 """
@@ -28,8 +28,8 @@ import weakref
 from typing import Any, Callable, Optional, Tuple
 
 from .._parent._session import Session
-from .._transport._protocol import Task
-from ._dispatch import Dispatch, Unsent
+from .._transport._protocol import Task, Unsent
+from ._dispatch import Dispatch
 
 #: Called after each batch is packed, with the bytes it dumped and the batch (for joblib's batch sizing).
 OnPacked = Callable[[int, Any], None]

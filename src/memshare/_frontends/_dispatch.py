@@ -3,7 +3,7 @@
 The pool (``_feed.TaskFeed``) and the joblib backend (``_deferred.DeferredFeed``)
 both pack tasks in a thread that has nobody to raise to: the pool's
 task-feeding thread, loky's feeder thread. A task that cannot be packed
-travels as an :class:`Unsent` placeholder, which the worker returns at once
+travels as an :class:`~memshare._transport._protocol.Unsent` placeholder, which the worker returns at once
 and the feed turns back into the original exception object (it never crosses
 a process boundary, so it need not be picklable). Both feeds also hold back
 packing while enough tasks that wrote new dumps are pending (``_heavy``).
@@ -12,19 +12,12 @@ packing while enough tasks that wrote new dumps are pending (``_heavy``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 from .. import _forksafe
 from .._parent._session import Session
+from .._transport._protocol import Unsent
 from ._heavy import HeavyTasks, bytes_written
-
-
-@dataclass(frozen=True)
-class Unsent:
-    """Stands for a task that could not be packed; the worker sends it straight back."""
-
-    key: int  # identifies the failure in the parent's feed
 
 
 class Dispatch:

@@ -29,14 +29,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from joblib.externals.loky import ProcessPoolExecutor
 
 from .. import _forksafe
-from .._compat import set_loky_leak_limit
 from .._lifetime._owners import owner_identity
 from .._lifetime._temp_folder import leave_loky_semaphores_to_watchdog
-from .._worker._run import watch_parent
-
-#: The variable newer loky releases read for their leak limit; memshare
-#: honours it in its workers, with no limit by default.
-LEAK_LIMIT_VARIABLE = "LOKY_MAX_MEMORY_LEAK_SIZE"
+from .._worker._entry import start_backend_worker
 
 _lock = _forksafe.lock()  # a call in another thread may hold it when this process forks
 _executor: Optional[ProcessPoolExecutor] = None
@@ -73,7 +68,7 @@ def get_executor(
             max_workers=n_jobs,
             timeout=timeout,
             env=env,
-            initializer=start_worker,
+            initializer=start_backend_worker,
             initargs=(*owner_identity(), initializer, initargs),
         )
         _executor_key, _executor_owner = key, os.getpid()
@@ -98,37 +93,3 @@ def discard_executor(executor: ProcessPoolExecutor, wait: bool = True) -> None:
         if _executor is executor:
             _executor, _executor_key = None, None
     executor.shutdown(wait=wait, kill_workers=True)
-
-
-def start_worker(
-    parent: int,
-    parent_start: Optional[int],
-    user_initializer: Optional[Callable[..., Any]] = None,
-    user_initargs: Tuple = (),
-) -> None:
-    """Initializer of memshare's loky workers, then the user's one if given."""
-    lift_leak_limit()
-    watch_parent(parent, parent_start)
-    if user_initializer is not None:
-        user_initializer(*user_initargs)
-
-
-def lift_leak_limit() -> None:
-    """Keep loky from recycling this worker for the shared pages it maps.
-
-    After each task a loky worker compares its RSS with the RSS after its
-    first task and exits when it grew by more than ``_MAX_MEMORY_LEAK_SIZE``
-    (300 MB), taking that for a leak. RSS counts the shared-memory pages the
-    worker maps, and memshare keeps those mappings open across tasks on
-    purpose, so the check would restart workers over and over, with a warning
-    each time. The loky releases joblib 1.3 to 1.6 bundle (3.4.0 to 3.6.0)
-    hard-code the limit in that module global and read it at each check, so
-    setting it here, in the worker, before its first task, is enough.
-    ``LOKY_MAX_MEMORY_LEAK_SIZE`` (bytes) still sets a limit if the user wants one.
-    """
-    limit = os.environ.get(LEAK_LIMIT_VARIABLE)
-    try:
-        value = int(float(limit)) if limit else 2**62
-    except ValueError:
-        value = 2**62
-    set_loky_leak_limit(value)

@@ -35,89 +35,14 @@ of numbers and bytes costs a fraction of one.
 from __future__ import annotations
 
 import itertools
-import pickle
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
 from .._parent._session import Session
 from .._payload._main_functions import MainFunctions
-from .._payload._main_values import PLAIN_TYPES
 from .._payload._unpacking import unpack
-from .._transport._protocol import Outcome, ResultSpec, Task
-from .._worker._run import run_task, set_result_reducers, watch_parent
-from ._dispatch import Dispatch, Unsent
-
-
-@dataclass(frozen=True)
-class MapChunk:
-    """The function a chunk of a ``map`` runs in the worker: ``func`` over each item, in order.
-
-    As in the standard pool, the first item that raises fails the whole chunk
-    (and so its ``map`` call) with that exception.
-    """
-
-    func: Callable
-    star: bool  # items are argument tuples (``starmap``)
-
-    def __call__(self, items: List) -> List:
-        if self.star:
-            return list(itertools.starmap(self.func, items))
-        return list(map(self.func, items))
-
-    def arguments_of(self, items: List) -> List[Any]:
-        """The objects the chunk passes to ``func`` that may hold an array or a large object: each item, or
-        each element of each item for ``starmap``, but numbers, strings and None (looked at per item)."""
-        arguments = itertools.chain.from_iterable(items) if self.star else items
-        if PLAIN_TYPES.issuperset(map(type, arguments)):  # the common case, in one pass at C speed
-            return []
-        arguments = itertools.chain.from_iterable(items) if self.star else items
-        return [argument for argument in arguments if type(argument) not in PLAIN_TYPES]
-
-
-#: A pool task on the wire: (token, stream) of a :class:`Task`, or the placeholder of one not packed.
-PoolTask = Union[Tuple[int, bytes], Unsent]
-#: A pool task's outcome on the wire: (token, ok, stream, slots) of an :class:`Outcome`.
-PoolOutcome = Tuple[int, bool, bytes, tuple]
-
-# The result spec of the pool this worker serves: one pool per worker process, so process-wide.
-_pool_results: Optional[ResultSpec] = None
-
-
-def start_pool_worker(owner: tuple, setup: bytes, initargs: tuple) -> None:
-    """Initializer of a pool's workers: watch the parent, take the pool's result settings, run the user's."""
-    watch_parent(*owner)
-    # The initializer and the result reducers travel cloudpickled, so that
-    # functions of __main__ and lambdas work under every start method; initargs
-    # do not, so that multiprocessing locks and queues can still be inherited.
-    initializer, backward_reducers, results = pickle.loads(setup)
-    set_result_reducers(backward_reducers)
-    set_pool_results(results)
-    if initializer is not None:
-        initializer(*initargs)
-
-
-def set_pool_results(spec: ResultSpec) -> None:
-    """In a pool's worker, as it starts: where and how its tasks' results go (the pool session's spec)."""
-    global _pool_results
-    _pool_results = spec
-
-
-def run_or_return(task: Any) -> Any:
-    """The function the joblib backend's workers run: a task, or a placeholder returned as it is."""
-    if isinstance(task, Unsent):
-        return task
-    return run_task(task)
-
-
-def run_pool_task(message: PoolTask) -> Union[PoolOutcome, Unsent]:
-    """The function pool workers run: a task (as the tuple of its fields), or a placeholder returned as it is."""
-    if type(message) is not tuple:
-        return message  # an Unsent placeholder
-    if _pool_results is None:
-        raise RuntimeError("memshare: this process runs pool tasks but was not started by a MemmappingPool")
-    token, stream = message
-    outcome = run_task(Task(token, stream, _pool_results))
-    return (outcome.token, outcome.ok, outcome.stream, outcome.slots)
+from .._transport._protocol import Outcome, Task, Unsent
+from .._worker._entry import MapChunk, PoolOutcome
+from ._dispatch import Dispatch
 
 
 def _wire(task: Task) -> Tuple[int, bytes]:

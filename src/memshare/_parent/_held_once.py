@@ -31,6 +31,7 @@ from .._lifetime._location import SHM_ROOT, Location, choose_location, free_byte
 from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budget
 from .._lifetime._temp_folder import TempFolder
 from .._payload._routes import mode_unfit_reason
+from .._payload._torch import is_storage_bytes
 from .._transport import _pages
 from .._transport._compare import same_bytes
 from .._transport._dumping import CHUNK_BYTES, write_range
@@ -204,9 +205,9 @@ def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]
     ``temp_folder``) and the file fits in shared memory or the memfd budget.
     An array held by an earlier call is sent as it is whatever the call's
     ``temp_folder``: it needs no new file (see ``_session_holds.SessionHolds``).
-    An array :func:`vouch` was told of (a torch tensor's storage) need not own
-    its memory or come from NumPy: its memory must be a chunk of its own all
-    the same, which an aligned allocation may be.
+    The byte array of a torch tensor's storage (``_torch.is_storage_bytes``)
+    need not own its memory or come from NumPy: its memory must be a chunk of
+    its own all the same, which an aligned allocation may be.
     """
     unsupported = _held_memory.unsupported_reason()
     if unsupported is not None:
@@ -222,16 +223,16 @@ def unfit_reason(array: np.ndarray, worker_mode: str, temp_folder: Optional[str]
         return f"it would live in a file outside shared memory ({location.reason})"
     if not location.in_memory and temp_folder is not None:
         return f"its files go where the user asked ({location.reason})"
-    vouched = _registry.vouched(array)
-    if not vouched and (isinstance(array, np.memmap) or array.base is not None or not array.flags.owndata):
+    storage = is_storage_bytes(array)
+    if not storage and (isinstance(array, np.memmap) or array.base is not None or not array.flags.owndata):
         return "it does not own its memory"
     if not (array.flags.c_contiguous or array.flags.f_contiguous):
         return "it is not contiguous"
     if array.nbytes < MIN_BYTES:
         return "it is too small to be worth a file of its own"
-    if not vouched and not made_by_default_allocator(array):
+    if not storage and not made_by_default_allocator(array):
         return "its memory does not come from NumPy's default allocator"
-    not_own_mapping = _held_memory.mmapped_chunk(data_address(array), array.nbytes, aligned=vouched)
+    not_own_mapping = _held_memory.mmapped_chunk(data_address(array), array.nbytes, aligned=storage)
     if not_own_mapping is not None:
         return not_own_mapping
     if not _held_memory.map_count_room(_MAPPINGS_PER_ARRAY):
@@ -252,8 +253,6 @@ class _Registry:
         self.lock = _forksafe.lock()
         self.holding = _forksafe.lock()  # held while one array is made held once (see hold)
         self.held: IdentityTable[Held] = IdentityTable()
-        # Arrays over memory another owner keeps while they live (see vouch).
-        self.vouched_for: IdentityTable[None] = IdentityTable()
         # One folder per location (memfds, or named files in /dev/shm), made on
         # first use, so that a changed setting takes effect for later arrays
         # while the files of earlier ones stay where they are.
@@ -262,10 +261,6 @@ class _Registry:
     def lookup(self, array: np.ndarray) -> Optional[Held]:
         with self.lock:
             return self.held.get(array)
-
-    def vouched(self, array: np.ndarray) -> bool:
-        with self.lock:
-            return array in self.vouched_for
 
     def forget(self, array: np.ndarray) -> None:
         """Stop holding ``array`` once (its memory moved): its file goes, its pages stay as they are."""
@@ -387,16 +382,3 @@ def hold(array: np.ndarray) -> Tuple[Held, float]:
 def forget(array: np.ndarray) -> None:
     """Stop holding ``array`` once; its file goes."""
     _registry.forget(array)
-
-
-def vouch(array: np.ndarray) -> None:
-    """``array`` may be held once though it does not own its memory: the owner of that memory lives at least as
-    long as ``array`` and frees it with ``free()`` (the byte array of a torch storage, see ``_torch``).
-
-    The file then goes when ``array`` is collected, while the memory may live
-    on in the owner's other users: its pages keep mapping the deleted file,
-    privately, and a later array over them is not held again (its memory is
-    no longer anonymous) but dumped.
-    """
-    with _registry.lock:
-        _registry.vouched_for.add(array, None)

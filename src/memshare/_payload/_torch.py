@@ -10,9 +10,9 @@ shape and strides. A result comes back through a result file as a tensor
 over the parent's mapping; a task that returns its argument tensor, or a
 view of it, unwritten, gives back the argument's own file, which the parent
 maps copy-on-write (``_Received``, ``_routes.INPUT_FILE``): no copy. The
-byte array of a storage is vouched for
-(``_held_once.vouch``): held once when its memory is a malloc chunk of its
-own, as torch's allocator gives large tensors.
+byte array of a storage (:func:`is_storage_bytes`) may be held once though
+it does not own its memory (``_held_once`` asks): when its memory is a malloc
+chunk of its own, as torch's allocator gives large tensors.
 
 torch has no read-only tensors, and a write into a read-only mapping kills
 the process: an argument tensor's file is therefore always mapped
@@ -41,7 +41,6 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 
 from .. import _forksafe
-from .._parent import _held_once
 from .._transport._identity import IdentityTable
 
 #: Tensors below this many bytes (joblib's default ``max_nbytes``) are pickled by torch.
@@ -133,7 +132,6 @@ class _Views:
             return base
         torch = sys.modules["torch"]
         base = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        _held_once.vouch(base)  # the storage lives as long as its byte array: held once if its memory allows
 
         def collected(ref: weakref.ref) -> None:
             if self._bases.get(key) is ref:
@@ -141,6 +139,12 @@ class _Views:
 
         self._bases[key] = weakref.ref(base, collected)
         return base
+
+    def is_base(self, array: np.ndarray) -> bool:
+        """True when ``array`` is the byte array of a storage made by :meth:`_base`, alive."""
+        with self._lock:
+            known = self._bases.get((array.__array_interface__["data"][0], array.nbytes))
+        return known is not None and known() is array
 
 
 def _same_geometry(view: np.ndarray, tensor: Any) -> bool:
@@ -172,6 +176,19 @@ def _view(tensor: Any, base: np.ndarray) -> np.ndarray:
 
 # Per process: see _Views.
 _views = _Views()
+
+
+def is_storage_bytes(array: np.ndarray) -> bool:
+    """True when ``array`` is the byte array of a live tensor's storage that an argument tensor travels over.
+
+    Such an array may be held once though it does not own its memory: the
+    storage lives at least as long as the array, and frees its memory with
+    ``free()``. The array's file then goes when it is collected, while the
+    memory may live on in the storage's other tensors: their pages keep
+    mapping the deleted file, privately, and a later array over them is not
+    held again (its memory is no longer anonymous) but dumped.
+    """
+    return _views.is_base(array)
 
 
 def argument_array(tensor: Any) -> Optional[np.ndarray]:

@@ -1,7 +1,7 @@
 """The wire protocol between the parent and its workers: what a task and its outcome carry.
 
-Transports (the pool, the loky backend) only ever send a :class:`Task` to a
-worker and receive an :class:`Outcome` back; the worker side is ``_worker``,
+Transports (the pool, the loky backend) only ever send a :class:`Task` (or an
+:class:`Unsent` placeholder) to a worker and receive an :class:`Outcome` back; the worker side is ``_worker``,
 the parent side ``_session`` (restoring an outcome: ``_adopt``). Both
 messages are small: large arrays inside their streams are file references.
 A failure in the task travels back as a :class:`Failure` inside a non-``ok``
@@ -95,6 +95,13 @@ class Outcome:
     def by_value(self) -> List[np.ndarray]:
         """The slots sent by value because no file had room."""
         return [where for where in self.slots if isinstance(where, np.ndarray)]
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Stands for a task its front end could not pack; the worker sends it back as it is (``_frontends._dispatch``)."""
+
+    key: int  # identifies the failure in the parent's feed
 
 
 @dataclass(frozen=True)
