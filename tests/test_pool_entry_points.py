@@ -97,3 +97,32 @@ def test_the_fork_server_preloads_memshare_and_keeps_the_users_preload(tmp_path)
     result = _run([str(script)])
     assert result.returncode == 0, result.stderr
     assert result.stdout == "{(True, True)}\n"
+
+
+WORKER_SIDE_SCRIPT = textwrap.dedent(
+    """
+    from memshare import MemmappingPool
+
+    def double(x):
+        return 2 * x
+
+    if __name__ == "__main__":
+        with MemmappingPool(4) as pool:
+            print(pool.map(double, range(8), chunksize=1))
+    """
+)
+
+
+def test_forkserver_workers_start_with_memshares_worker_side_imported(tmp_path):
+    """The fork server imports what workers run, once: no worker imports it again after its fork.
+
+    ``python -v`` prints each import of each process: the worker side is imported by the parent (the pool
+    imports it) and by the server, and by none of the four workers forked from the server.
+    """
+    script = tmp_path / "workers.py"
+    script.write_text(WORKER_SIDE_SCRIPT)
+    result = _run(["-v", str(script)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == f"{[2 * x for x in range(8)]}\n"
+    imports = [line for line in result.stderr.splitlines() if line.startswith("import 'memshare._worker._run'")]
+    assert len(imports) == 2, imports

@@ -171,11 +171,11 @@ class MemmappingPool(PoolWithHooks):
         check_context_id(context_id)
         context = resolve_context(context)
         if context.get_start_method() == "forkserver":
-            # Workers forked from a server that has memshare (and numpy, not joblib: see _registration)
-            # imported start at once; otherwise each imports it, and a replacement worker pays that again.
-            # Started now, not by the first worker: the server imports memshare while this process sets up
-            # the pool's session (the memfd probe, a folder, a socket), instead of after.
-            start_fork_server_with("memshare")
+            # Workers forked from a server that has imported what they run (memshare's worker side and
+            # numpy, not joblib: see _registration) start at once; otherwise each imports it, and a
+            # replacement worker pays that again. Started now, not by the first worker: the server imports
+            # while this process sets up the pool's session (the memfd probe, a folder, a socket).
+            start_fork_server_with("memshare._worker._entry")
         self._session = Session(
             settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
         )
