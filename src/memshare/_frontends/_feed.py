@@ -9,7 +9,7 @@ then waits forever for the chunks that were never sent.
 
 So packing errors (an unpicklable argument, no room for a dump, an unusable
 temp folder, the user's iterable raising) are caught here and the task
-travels as an :class:`~memshare._frontends._dispatch.Unsent` placeholder,
+travels as an :class:`~memshare._transport._protocol.Unsent` placeholder,
 which the worker returns at once and the result thread turns back into the
 original exception object (``_dispatch``). After a
 failure, a ``map`` call sends a placeholder for each remaining chunk, because
@@ -17,7 +17,7 @@ its result waits for every chunk; an ``imap`` call stops there, as the
 standard pool does when the iterable raises.
 
 Chunks: the standard pool sends ``chunksize`` items as one message. Here a
-chunk is one task too: a :class:`MapChunk` packed with all its items in one
+chunk is one task too: a :class:`~memshare._worker._entry.MapChunk` packed with all its items in one
 pass of memshare's pickler, so each array in it is still routed (an array
 repeated across items or chunks is dumped once, by the session), and the
 function is pickled once per chunk instead of once per item. The worker
@@ -26,7 +26,7 @@ returns the chunk's values as one list; the pool joins the lists.
 On the wire: a pool task travels as the tuple ``(token, stream)`` and its
 outcome comes back as the tuple of an :class:`Outcome`'s fields. The
 result spec, the same for every task of a pool, reaches each worker once,
-when it starts (:func:`set_pool_results`). The standard pool pickles each
+when it starts (``_worker._entry.start_pool_worker``). The standard pool pickles each
 message with the standard pickler, for which a dataclass instance costs
 microseconds (copyreg's generic reduction, its fields by name) where a tuple
 of numbers and bytes costs a fraction of one.
