@@ -272,10 +272,9 @@ class _Received:
     ) -> Broadcast:
         """This process's copy of the broadcast ``token`` in the file ``path``: unpickled from ``data`` unless held."""
         self._watch(drops)
-        with self._lock:
-            entry = self._entries.get(token)
-        if entry is not None and entry[1] == path and entry[2] == identity:
-            return entry[0]
+        copy = self.held(token, path, identity)
+        if copy is not None:
+            return copy
         shared = Broadcast(_load(data), data, token)
         # Two threads of one worker may both unpickle a new broadcast; the first kept wins.
         with self._lock:

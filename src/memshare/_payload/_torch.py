@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import _forksafe
 from .._transport._identity import IdentityTable
+from .._transport._refs import data_address
 
 #: Tensors below this many bytes (joblib's default ``max_nbytes``) are pickled by torch.
 SMALL = 1 << 20
@@ -143,7 +144,7 @@ class _Views:
     def is_base(self, array: np.ndarray) -> bool:
         """True when ``array`` is the byte array of a storage made by :meth:`_base`, alive."""
         with self._lock:
-            known = self._bases.get((array.__array_interface__["data"][0], array.nbytes))
+            known = self._bases.get((data_address(array), array.nbytes))
         return known is not None and known() is array
 
 
