@@ -169,9 +169,9 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: has(getattr(loky_resource_tracker(), "_resource_tracker", None), "_lock"),
     ),
     (
-        "loky resource_tracker._resource_tracker._pid",
+        "loky resource_tracker._resource_tracker._pid / _fd",
         "a killed owner's watchdog waits for loky's tracker to exit (its workers gone) before removing its semaphores",
-        lambda: has(getattr(loky_resource_tracker(), "_resource_tracker", None), "_pid"),
+        lambda: all(has(getattr(loky_resource_tracker(), "_resource_tracker", None), n) for n in ("_pid", "_fd")),
     ),
     (
         "threading.Lock._at_fork_reinit",

@@ -123,16 +123,19 @@ def make_loky_tracker_reentrant() -> None:
         tracker._lock = threading.RLock()
 
 
-def loky_tracker_pid() -> Optional[int]:
-    """The pid of loky's resource tracker of this process, started if it was not; None when unknown.
+def loky_tracker() -> Tuple[Optional[int], Optional[int]]:
+    """(pid, descriptor) of loky's resource tracker of this process, started if it was not; Nones when unknown.
 
-    None too in a child forked by ``multiprocessing``, which shares its
-    parent's tracker without knowing its pid.
+    The pid is None, the descriptor not, in a child forked from the process
+    that started the tracker: loky keeps the parent's tracker there (always
+    before Python 3.15, under ``multiprocessing`` only from then on) and
+    forgets its pid. The descriptor is the write end of the tracker's pipe.
     """
     resource_tracker = loky_resource_tracker()
     try:
         resource_tracker.ensure_running()
     except Exception:  # the tracker is loky's business: starting a worker will say what is wrong
-        return None
-    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
-    return pid if isinstance(pid, int) and pid > 0 else None
+        return None, None
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    pid, fd = getattr(tracker, "_pid", None), getattr(tracker, "_fd", None)
+    return (pid if isinstance(pid, int) and pid > 0 else None), (fd if isinstance(fd, int) and fd >= 0 else None)

@@ -137,6 +137,46 @@ def pids() -> List[int]:
     return [int(entry) for entry in os.listdir(PROC) if entry.isdigit()]
 
 
+def pipe_reader(fd: int) -> Optional[int]:
+    """The pid of another process holding the read end of the pipe whose write end is this process's ``fd``.
+
+    None when ``fd`` is not a pipe, when no other process shows it open for
+    reading, or when ``/proc`` cannot be read. Only processes whose
+    descriptors this user may list are seen.
+    """
+    try:
+        target = os.readlink(fd_path("self", fd))
+        if not target.startswith("pipe:"):
+            return None
+        candidates = pids()
+    except OSError:
+        return None
+    me = os.getpid()
+    for pid in candidates:
+        if pid == me:
+            continue
+        try:
+            held = descriptors(pid)
+        except OSError:
+            continue
+        for name in held:
+            try:
+                if os.readlink(fd_path(pid, name)) == target and _opened_for_reading(pid, name):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _opened_for_reading(pid: int, fd: str) -> bool:
+    """True when descriptor ``fd`` of ``pid`` was opened read-only (its ``fdinfo`` flags, in octal)."""
+    with open(f"{PROC}/{pid}/fdinfo/{fd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"flags:"):
+                return int(line.split()[1], 8) & os.O_ACCMODE == os.O_RDONLY
+    return False
+
+
 # -- processes ------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ import weakref
 from typing import List, Optional, Set
 
 from .. import _forksafe
+from . import _procfs
 from ._folder_warnings import forget_warnings, warn_if_on_disk
 from ._folders import FolderPair
 from ._location import SHM_ROOT, Location, choose_location, fallback_base
@@ -103,7 +104,7 @@ def leave_loky_semaphores_to_watchdog() -> None:
     """
     from joblib.externals.loky.backend import resource_tracker
 
-    from .._compat import loky_tracker_pid
+    from .._compat import loky_tracker
 
     if not _state.watchdog.start():
         return  # no watchdog: loky's tracker keeps the job
@@ -111,7 +112,11 @@ def leave_loky_semaphores_to_watchdog() -> None:
         if not _state.tracker_hooked:
             _state.tracker_hooked = True
             _hook_tracker(resource_tracker)
-    pid = loky_tracker_pid()  # started now if it was not, as starting a worker would
+    pid, fd = loky_tracker()  # started now if it was not, as starting a worker would
+    if pid is None and fd is not None:
+        # Forked from the process that started it: without its pid, the watchdog
+        # would remove the semaphores while a worker still starting needs them.
+        pid = _procfs.pipe_reader(fd)
     if pid is not None:
         _state.watchdog.watch_tracker(pid)
 
