@@ -175,6 +175,33 @@ def test_memory_that_is_not_private_anonymous_is_refused():
     assert reason == "its memory is not a private anonymous mapping"
 
 
+def test_a_heap_chunk_whose_header_starts_a_page_is_said_to_be_from_the_heap():
+    # The heap is private memory with a name ([heap]); once in 256 or so, a small array's header starts a page.
+    blocks = []
+    try:
+        for _ in range(20000):
+            blocks.append(_libc.malloc(72))
+            address = blocks[-1]
+            if (address - _malloc.CHUNK_HEADER) % PAGE == 0 and _in_heap(address):
+                break
+        else:
+            pytest.fail("none of 20000 small allocations had its header at a page's start in [heap]")
+        reason = _held_memory.mmapped_chunk(address, 64)
+    finally:
+        for block in blocks:
+            _libc.free(block)
+    assert reason == "not a malloc chunk of its own mapping (glibc served it from the heap)"
+
+
+def _in_heap(address):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= address < high:
+                return line.rstrip().endswith("[heap]")
+    return False
+
+
 def _maps_naming(start, end, name):
     """/proc/self/maps as it is, with [start, end) named as the kernel names anonymous memory.
 

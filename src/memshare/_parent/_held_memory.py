@@ -105,10 +105,11 @@ def mmapped_chunk(address: int, nbytes: int, aligned: bool = False) -> Optional[
         return "not a malloc chunk of its own mapping (data is not right after a page-aligned header)"
     covered = _anonymous_extent(chunk - chunk % PAGE)
     if covered is None:
-        return "its memory is not a private anonymous mapping"
+        # A heap chunk's header lands on a page boundary once in 256 or so.
+        return _FROM_HEAP if _in_heap(chunk) else "its memory is not a private anonymous mapping"
     prev_size, size_word = (ctypes.c_size_t * 2).from_address(chunk)
     if not size_word & _malloc.IS_MMAPPED:
-        return "not a malloc chunk of its own mapping (glibc served it from the heap)"
+        return _FROM_HEAP
     start = chunk
     if aligned and prev_size and (chunk - prev_size) % PAGE == 0 and prev_size < _MAX_ALIGNMENT:
         start, size_word = chunk - prev_size, size_word + prev_size
@@ -126,6 +127,8 @@ def mmapped_chunk(address: int, nbytes: int, aligned: bool = False) -> Optional[
         return "its malloc chunk is not wholly private anonymous memory"
     return None
 
+
+_FROM_HEAP = "not a malloc chunk of its own mapping (glibc served it from the heap)"
 
 #: The largest alignment of an aligned chunk taken (a huge page): a larger prev_size is not an alignment's.
 _MAX_ALIGNMENT = 2 * 1024**2
@@ -152,6 +155,11 @@ def _anonymous_extent(start: int) -> Optional[int]:
         elif end is not None and low >= end:
             break
     return end
+
+
+def _in_heap(address: int) -> bool:
+    """True when ``address`` lies in the process's ``[heap]`` (the main malloc arena's memory)."""
+    return any(low <= address < high and path == b"[heap]" for low, high, *_, path in _procfs.mappings())
 
 
 def map_count_room(needed: int) -> bool:
