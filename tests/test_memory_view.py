@@ -20,7 +20,7 @@ from conftest import without_location_settings
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._lifetime import _holdings
+from memshare._lifetime import _holdings, _memfd
 from memshare._tools import doctor as _doctor
 
 MIB = 1024**2
@@ -87,6 +87,23 @@ def test_a_file_held_and_mapped_counts_once():
     view = shared[: ELEMENTS // 2]  # a view maps nothing new
     assert _holdings.held() == held
     del view, shared
+
+
+def test_what_many_broadcasts_hold_is_counted_without_a_system_call_each(monkeypatch):
+    # A memfd reserved whole keeps its size and blocks: its stat from when it was made stays true.
+    previous = _memfd.decision()
+    if not previous.in_memory:
+        pytest.skip(f"memfds are not usable here: {previous.reason}")
+    shared = [memshare.broadcast(list(range(i, i + 2000))) for i in range(50)]
+    truth = _holdings.held()
+    asked = []
+    real_fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: asked.append(fd) or real_fstat(fd))
+    assert _holdings.held() == truth
+    monkeypatch.undo()
+    fds = {int(path.rsplit("/", 1)[1]) for path in _memfd.held_paths()}
+    assert len(fds) >= 50 and not fds & set(asked), f"{len(fds & set(asked))} of {len(fds)} memfds stat'ed again"
+    del shared
 
 
 HOLDER = """

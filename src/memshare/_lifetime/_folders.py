@@ -268,7 +268,10 @@ def _create_memfd(nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
         if exc.errno in _MEMFD_FALLBACK_ERRNOS:
             return None
         raise
-    return _with_room(path, fd, nbytes, _memfd.release, _MEMFD_FALLBACK_ERRNOS)
+    made = _with_room(path, fd, nbytes, _memfd.release, _MEMFD_FALLBACK_ERRNOS)
+    if made is not None:
+        _memfd.settle(path)  # reserved whole: its blocks are counted once
+    return made
 
 
 def _create_reserved(folder: str, nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:

@@ -6,7 +6,7 @@ adopted but not read yet adds nothing to the parent's RSS or PSS, yet it
 fills ``/dev/shm`` (or memfds) and counts against a container's memory
 limit. :func:`held` totals what memshare holds for this process from what
 the process already knows, with no scan of ``/proc``: the memfds of its
-registry (one ``fstat`` each), the files in its folders, and the files that
+registry (one ``fstat`` each, made once for a file reserved whole), the files in its folders, and the files that
 are already deleted and live on only through one of its mappings (adopted
 results, results that view a dump), which :func:`note_mapping` records when
 they are mapped. A file found twice (a dump still held and also mapped by a

@@ -78,6 +78,8 @@ class _Registry:
         # path -> (device, inode) of the memfd held there: what the path names for as long as it is held,
         # known without a stat (``_refs`` uses it to trust a reference to this process's own memfd).
         self.identities: Dict[str, Tuple[int, int]] = {}
+        # path -> the stat of a memfd whose size and allocation no longer change (see ``settle``).
+        self.settled: Dict[str, os.stat_result] = {}
         self.decision: Optional[Decision] = None
         self.raised = False  # the soft descriptor limit was raised (or found unraisable) once
         self.over_budget_logged = False
@@ -92,6 +94,7 @@ class _Registry:
                 pass
         self.fds = {}
         self.identities = {}
+        self.settled = {}
 
 
 _registry = _Registry()
@@ -276,6 +279,7 @@ def release(path: str) -> bool:
     with _registry.lock:
         fd = _registry.fds.pop(path, None)
         _registry.identities.pop(path, None)
+        _registry.settled.pop(path, None)
     if fd is not None:
         os.close(fd)
     return True
@@ -303,16 +307,35 @@ def held_identity(path: str) -> Optional[Tuple[int, int]]:
     return _registry.identities.get(path)  # one dict lookup: atomic, no lock needed
 
 
-def held_files() -> List[os.stat_result]:
-    """What the memfds this process holds are now (size, blocks, identity): one ``fstat`` each."""
+def settle(path: str) -> None:
+    """The memfd this process holds at ``path`` has all its bytes allocated and keeps its size.
+
+    Its ``fstat`` now stays true, since memshare never resizes a file nor
+    frees part of one: :func:`held_files` reuses it rather than asking again
+    (a process may hold thousands of broadcasts). A file not wholly
+    allocated yet (no ``fallocate`` where it lives) is asked each time.
+    """
     with _registry.lock:
-        fds = list(_registry.fds.values())
+        fd = _registry.fds.get(path)
+        if fd is None:
+            return
+        info = os.fstat(fd)
+        if info.st_blocks * 512 >= info.st_size:
+            _registry.settled[path] = info
+
+
+def held_files() -> List[os.stat_result]:
+    """What the memfds this process holds are now (size, blocks, identity): one ``fstat`` each but the settled."""
+    with _registry.lock:
+        entries = [(fd, _registry.settled.get(path)) for path, fd in _registry.fds.items()]
     found = []
-    for fd in fds:
-        try:
-            found.append(os.fstat(fd))
-        except OSError:
-            continue  # released meanwhile
+    for fd, info in entries:
+        if info is None:
+            try:
+                info = os.fstat(fd)
+            except OSError:
+                continue  # released meanwhile
+        found.append(info)
     return found
 
 
