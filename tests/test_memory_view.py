@@ -103,6 +103,7 @@ def test_what_many_broadcasts_hold_is_counted_without_a_system_call_each(monkeyp
     monkeypatch.undo()
     fds = {int(path.rsplit("/", 1)[1]) for path in _memfd.held_paths()}
     assert len(fds) >= 50 and not fds & set(asked), f"{len(fds & set(asked))} of {len(fds)} memfds stat'ed again"
+    assert truth.memfds >= sum(os.fstat(fd).st_blocks * 512 for fd in fds)  # each counted, as its fstat says
     del shared
 
 

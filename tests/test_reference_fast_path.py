@@ -279,7 +279,7 @@ def test_a_broadcast_dropped_after_its_task_was_packed_lives_until_the_task_is_d
     from memshare._transport._refs import is_file
 
     shared = memshare.broadcast({"k": list(range(10))})
-    ref = sent_by_reference(shared)[2]
+    ref = sent_by_reference(shared).ref
     session = Session(Settings.from_user("1M", "r", None, None))
     try:
         task = session.pack_task(_size, (shared,))

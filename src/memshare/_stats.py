@@ -82,6 +82,12 @@ class CallStats:
             for name, amount in amounts.items():
                 setattr(self, name, getattr(self, name) + amount)
 
+    def add_reference(self, nbytes: int) -> None:
+        """One more array passed by reference: ``add`` for the per-task path of broadcasts, without its loop."""
+        with self._lock:
+            self.arrays_referenced += 1
+            self.bytes_referenced += nbytes
+
     def summary(self) -> str:
         return (
             f"memshare: {self.tasks} tasks; {self.arrays_dumped} arrays dumped "

@@ -6,7 +6,7 @@ adopted but not read yet adds nothing to the parent's RSS or PSS, yet it
 fills ``/dev/shm`` (or memfds) and counts against a container's memory
 limit. :func:`held` totals what memshare holds for this process from what
 the process already knows, with no scan of ``/proc``: the memfds of its
-registry (one ``fstat`` each, made once for a file reserved whole), the files in its folders, and the files that
+registry (one ``fstat`` each, or none for a file reserved whole), the files in its folders, and the files that
 are already deleted and live on only through one of its mappings (adopted
 results, results that view a dump), which :func:`note_mapping` records when
 they are mapped. A file found twice (a dump still held and also mapped by a
@@ -101,15 +101,19 @@ def held() -> Held:
             seen[identity] = None
             sums[where] += nbytes
 
-    for info in _memfd.held_files():
+    memfds = _memfd.held_memfds()  # the settled ones as one sum: distinct files, never in a folder
+    for info in memfds.others:
         count("memfds", (info.st_dev, info.st_ino), info.st_blocks * 512)
     for info in _folder_files():
         count("folders", (info.st_dev, info.st_ino), info.st_blocks * 512)
     with _mapped.lock:
         mapped = list(_mapped.files.values())
     for identity, nbytes in mapped:
-        count("mapped", identity, nbytes)
-    return Held(sums["memfds"], sums["folders"], sums["mapped"], len(seen))
+        if not _memfd.is_settled(identity):  # a result viewing a dump memfd still held
+            count("mapped", identity, nbytes)
+    return Held(
+        sums["memfds"] + memfds.settled_bytes, sums["folders"], sums["mapped"], len(seen) + memfds.settled_count
+    )
 
 
 def held_bytes() -> int:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from .. import _forksafe
 from .._config import env_flag
@@ -78,8 +78,11 @@ class _Registry:
         # path -> (device, inode) of the memfd held there: what the path names for as long as it is held,
         # known without a stat (``_refs`` uses it to trust a reference to this process's own memfd).
         self.identities: Dict[str, Tuple[int, int]] = {}
-        # path -> the stat of a memfd whose size and allocation no longer change (see ``settle``).
-        self.settled: Dict[str, os.stat_result] = {}
+        # path -> (identity, allocated bytes) of a memfd whose size and allocation no longer change
+        # (see ``settle``), by identity too, and their total: what ``held`` sums without a system call.
+        self.settled: Dict[str, Tuple[Tuple[int, int], int]] = {}
+        self.settled_identities: Set[Tuple[int, int]] = set()
+        self.settled_bytes = 0
         self.decision: Optional[Decision] = None
         self.raised = False  # the soft descriptor limit was raised (or found unraisable) once
         self.over_budget_logged = False
@@ -95,6 +98,8 @@ class _Registry:
         self.fds = {}
         self.identities = {}
         self.settled = {}
+        self.settled_identities = set()
+        self.settled_bytes = 0
 
 
 _registry = _Registry()
@@ -279,7 +284,10 @@ def release(path: str) -> bool:
     with _registry.lock:
         fd = _registry.fds.pop(path, None)
         _registry.identities.pop(path, None)
-        _registry.settled.pop(path, None)
+        settled = _registry.settled.pop(path, None)
+        if settled is not None:
+            _registry.settled_identities.discard(settled[0])
+            _registry.settled_bytes -= settled[1]
     if fd is not None:
         os.close(fd)
     return True
@@ -310,33 +318,50 @@ def held_identity(path: str) -> Optional[Tuple[int, int]]:
 def settle(path: str) -> None:
     """The memfd this process holds at ``path`` has all its bytes allocated and keeps its size.
 
-    Its ``fstat`` now stays true, since memshare never resizes a file nor
-    frees part of one: :func:`held_files` reuses it rather than asking again
-    (a process may hold thousands of broadcasts). A file not wholly
-    allocated yet (no ``fallocate`` where it lives) is asked each time.
+    What it holds then stays true, since memshare never resizes a file nor
+    frees part of one: :func:`held_memfds` counts it with no system call (a
+    process may hold thousands of broadcasts). A file not wholly allocated
+    yet (no ``fallocate`` where it lives) is asked each time.
     """
     with _registry.lock:
         fd = _registry.fds.get(path)
-        if fd is None:
+        if fd is None or path in _registry.settled:
             return
         info = os.fstat(fd)
         if info.st_blocks * 512 >= info.st_size:
-            _registry.settled[path] = info
+            identity, nbytes = (info.st_dev, info.st_ino), info.st_blocks * 512
+            _registry.settled[path] = (identity, nbytes)
+            _registry.settled_identities.add(identity)
+            _registry.settled_bytes += nbytes
 
 
-def held_files() -> List[os.stat_result]:
-    """What the memfds this process holds are now (size, blocks, identity): one ``fstat`` each but the settled."""
+class HeldMemfds(NamedTuple):
+    """The memfds this process holds: those settled as totals, the others as they are now."""
+
+    settled_count: int
+    settled_bytes: int
+    others: List[os.stat_result]  # one ``fstat`` each
+
+
+def held_memfds() -> HeldMemfds:
+    """What the memfds this process holds are now: a sum for the settled, an ``fstat`` of each other."""
     with _registry.lock:
-        entries = [(fd, _registry.settled.get(path)) for path, fd in _registry.fds.items()]
-    found = []
-    for fd, info in entries:
-        if info is None:
-            try:
-                info = os.fstat(fd)
-            except OSError:
-                continue  # released meanwhile
-        found.append(info)
-    return found
+        count, nbytes = len(_registry.settled), _registry.settled_bytes
+        settled, fds = _registry.settled, []
+        if len(settled) < len(_registry.fds):  # else every one is settled: no walk over thousands
+            fds = [fd for path, fd in _registry.fds.items() if path not in settled]
+    others = []
+    for fd in fds:
+        try:
+            others.append(os.fstat(fd))
+        except OSError:
+            continue  # released meanwhile
+    return HeldMemfds(count, nbytes, others)
+
+
+def is_settled(identity: Tuple[int, int]) -> bool:
+    """True when ``identity`` is a settled memfd this process holds (counted in :func:`held_memfds`' sum)."""
+    return identity in _registry.settled_identities  # one set lookup: atomic, no lock needed
 
 
 def held_paths() -> List[str]:

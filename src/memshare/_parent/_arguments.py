@@ -11,6 +11,7 @@ session, however many tasks send it.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
@@ -77,6 +78,7 @@ class ArgumentRoutes:
         # Arrays already counted (and logged) as referenced or pickled, so that
         # the figures and the log name each array once however many tasks use it.
         self._seen: IdentityTable[None] = IdentityTable()
+        self._sender = next(_SENDERS)  # broadcasts are counted once per sender (see sent_by_reference)
 
     def reduce_argument(self, record: TaskRecord, array: np.ndarray) -> Optional[Reduction]:
         """The pickler's array policy for task arguments: decide the route, carry it out into ``record``."""
@@ -90,18 +92,20 @@ class ArgumentRoutes:
 
     def reduce_broadcast(self, record: TaskRecord, shared: Broadcast) -> Optional[Reduction]:
         """The pickler's broadcast policy: its token and file, the data kept alive by ``record``; None: as usual."""
-        sent = sent_by_reference(shared)
+        sent = sent_by_reference(shared, self._sender)
         if sent is None:
             return None
-        reduction, data, ref = sent
         try:
             with self._lock:
                 self._check_open()
-                self._note_reference(data, ref, record)
+                record.held.append(sent.data)
+                if sent.first:  # counted by the broadcast itself: no weak reference per broadcast
+                    self._stats.add_reference(sent.data.nbytes)
+                    log_decision(REFERENCED, sent.data, sent.ref.path)
         except BaseException as exc:
             record.error = exc
             raise
-        return reduction
+        return sent.reduction
 
     def route_of(self, array: np.ndarray) -> Route:
         """The route of an argument array under this session's settings (pure: nothing is carried out)."""
@@ -200,6 +204,10 @@ class ArgumentRoutes:
         """The session closed: forget every array seen and held."""
         self._seen.clear()
         self._holds.clear()
+
+
+# Process-wide so that no two sessions share a number, as two ids may in turn.
+_SENDERS = itertools.count(1)
 
 
 def _buffer_address(view: memoryview) -> int:

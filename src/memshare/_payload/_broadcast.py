@@ -28,7 +28,7 @@ import pickle
 import secrets
 import struct
 import weakref
-from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Dict, Generic, List, NamedTuple, Optional, Tuple, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -79,15 +79,16 @@ class Broadcast(Generic[T]):
     ([1, 2, 3], True)
     """
 
-    __slots__ = ("_value", "_data", "_token", "_drops", "_file", "__weakref__")
+    __slots__ = ("_value", "_data", "_token", "_drops", "_file", "_sender", "__weakref__")
 
     def __init__(self, value: T, data: np.ndarray, token: str, drops: Optional[LogAddress] = None) -> None:
         self._value = value
         self._data = data
         self._token = token
         self._drops = drops  # where the parent's drop log is (see _drop_log)
-        # (pid, reference to the data's file) once memshare's pickler sent it: see sent_by_reference.
-        self._file: Optional[Tuple[int, ArrayRef]] = None
+        # (pid, reference to the data's file, the reduction) once memshare's pickler sent it: see sent_by_reference.
+        self._file: Optional[Tuple[int, ArrayRef, Tuple[Any, ...]]] = None
+        self._sender: Optional[int] = None  # the sender that sent it last (see sent_by_reference)
 
     @property
     def value(self) -> T:
@@ -170,28 +171,40 @@ def broadcast(obj: T) -> Broadcast[T]:
     return shared
 
 
-def sent_by_reference(shared: Broadcast) -> Optional[Tuple[Tuple[Any, ...], np.ndarray, ArrayRef]]:
+def sent_by_reference(shared: Broadcast, sender: int = 0) -> Optional[Sent]:
     """How memshare's pickler sends ``shared`` to its workers: its token and its data's file, not the array.
 
-    Returns the reduction, the data array, which the task must keep alive
-    until it is done (the file goes with its last view), and the reference to
-    its file; None when the data is not in a file. A worker holding its copy
-    then maps nothing (:func:`_receive_file`), and the sender finds the file
-    once per process, not once per task. Data of at most ``INLINE_NBYTES``
-    also travels in the stream: a worker's first receipt then maps nothing
-    either, where a mapping would cost a page and five system calls.
+    None when the data is not in a file. A worker holding its copy then maps
+    nothing (:func:`_receive_file`), and the sender finds the file and builds
+    the reduction once per process, not once per task. Data of at most
+    ``INLINE_NBYTES`` also travels in the stream: a worker's first receipt
+    then maps nothing either, where a mapping would cost a page and five
+    system calls. ``sender`` (a number per sender, such as a session's) tells
+    whether this is its first sending of ``shared`` since another sender's:
+    so each broadcast is counted once per session with no weak reference to
+    it (two sessions sending it in turn count it again).
     """
     pid, file, data = os.getpid(), shared._file, shared._data
     if file is None or file[0] != pid:  # a forked child names the file by its own descriptor
         ref = find_backing(data)
         if ref is None or ref.shape != (data.nbytes,) or ref.strides != (1,) or ref.dtype != np.uint8:
             return None
-        file = shared._file = (pid, ref)
-    ref = file[1]
-    # Plain values, not the ArrayRef: a worker holding the copy builds nothing to find it.
-    where = (ref.path, ref.device, ref.inode, ref.kind, ref.mode, ref.offset, data.nbytes)
-    inline = data.tobytes() if data.nbytes <= INLINE_NBYTES else None
-    return (_receive_file, (shared._token, where, shared._drops, inline)), data, ref
+        # Plain values, not the ArrayRef: a worker holding the copy builds nothing to find it.
+        where = (ref.path, ref.device, ref.inode, ref.kind, ref.mode, ref.offset, data.nbytes)
+        inline = data.tobytes() if data.nbytes <= INLINE_NBYTES else None
+        file = shared._file = (pid, ref, (_receive_file, (shared._token, where, shared._drops, inline)))
+    first = shared._sender != sender
+    shared._sender = sender
+    return Sent(file[2], data, file[1], first)
+
+
+class Sent(NamedTuple):
+    """A broadcast as memshare's pickler sends it (see :func:`sent_by_reference`)."""
+
+    reduction: Tuple[Any, ...]
+    data: np.ndarray  # the task keeps it alive until it is done: the file goes with its last view
+    ref: ArrayRef  # its file
+    first: bool  # the first sending by this sender
 
 
 def _aligned(offset: int) -> int:
