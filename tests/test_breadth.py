@@ -43,7 +43,7 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # soft and hard: nothi
 import numpy as np
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
-from memshare._lifetime import _memfd
+from memshare._lifetime import _memfd, _memfd_census
 
 
 def sums(arrays):
@@ -51,7 +51,7 @@ def sums(arrays):
 
 
 def held_in_worker(_):
-    return os.getpid(), _memfd.descriptors_of()
+    return os.getpid(), _memfd_census.descriptors_of()
 
 
 def main():
@@ -68,7 +68,7 @@ def main():
     with Parallel(n_jobs=2, max_nbytes="64K") as parallel:
         assert parallel(delayed(sums)(part) for part in lists) == wanted
         workers.update(parallel(delayed(held_in_worker)(i) for i in range(8)))
-        parent = _memfd.descriptors_of()
+        parent = _memfd_census.descriptors_of()
     files = [open(os.devnull) for _ in range(300)]  # the program's own files, arrays still alive
     assert len(files) == 300 and float(arrays[-1][0]) == 2999.0
     print(json.dumps({"parent": parent, "workers": workers, "budget": _memfd.budget()}))

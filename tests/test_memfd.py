@@ -26,7 +26,7 @@ from conftest import (
 import memshare
 from memshare import Parallel, delayed
 from memshare._config import Settings
-from memshare._lifetime import _memfd
+from memshare._lifetime import _memfd, _memfd_census
 from memshare._lifetime._folders import FolderPair, delete_file
 from memshare._lifetime._location import choose_location
 from memshare._lifetime._owners import parse_folder_name
@@ -245,7 +245,7 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
     try:
         assert wait_until(lambda: len(os.listdir(flags)) == 2 or run.poll() is not None, 120), "workers never started"
         assert run.poll() is None, run.stderr.read().decode()
-        held = [m for m in _memfd.live_memfds() if m.pid == run.pid]
+        held = [m for m in _memfd_census.live_memfds() if m.pid == run.pid]
         # The parent holds X's memory as a memfd: X is held once (its head page makes the file one page longer).
         assert [(m.kind, m.nbytes) for m in held] == [("held", 512 * MIB + 4096)]
         processes = process_tree(run.pid)
@@ -261,7 +261,7 @@ def test_every_process_of_a_run_killed_at_once_leaves_nothing(tmp_path, default_
         run.stderr.close()
     # The machine's other processes may change Shmem meanwhile: the 512 MiB must go, give or take 112 MiB.
     assert wait_until(lambda: _shmem_bytes() <= before_kill - 400 * MIB, 2.0), (before_kill, _shmem_bytes())
-    assert not [m for m in _memfd.live_memfds() if m.pid in processes]
+    assert not [m for m in _memfd_census.live_memfds() if m.pid in processes]
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in processes), 10)
     for base in ("/dev/shm", tempfile.gettempdir()):
         # Names parsed as ``memshare clean`` parses them: other memshare-* entries (a clone, a venv) are not ours.

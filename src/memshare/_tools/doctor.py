@@ -36,7 +36,7 @@ from .. import _compat
 from .._config import (
     format_bytes,
 )
-from .._lifetime import _holdings, _memfd, _procfs, _watchdog
+from .._lifetime import _holdings, _memfd, _memfd_census, _procfs, _watchdog
 from .._lifetime._location import (
     SHM_ROOT,
     choose_location,
@@ -171,7 +171,7 @@ def _check_shm(
         )
 
 
-def _check_memfds(say: Callable[[str], None], memfds: List[_memfd.LiveMemfd]) -> None:
+def _check_memfds(say: Callable[[str], None], memfds: List[_memfd_census.LiveMemfd]) -> None:
     """List the memshare memfds that processes of this user hold, by owner."""
     by_owner: dict = {}
     for memfd in memfds:
@@ -188,7 +188,7 @@ _Holding = Dict[str, Dict[Tuple[int, int], int]]
 _WHERE = ("folders", "memfds", "mapped")
 
 
-def _report_holdings(shm: str, say: Callable[[str], None], memfds: List[_memfd.LiveMemfd]) -> None:
+def _report_holdings(shm: str, say: Callable[[str], None], memfds: List[_memfd_census.LiveMemfd]) -> None:
     """One line on the shared memory memshare holds for this user's live processes, then one per process.
 
     This process's figures come from its own records (``_holdings.held``,
@@ -345,13 +345,13 @@ def run_doctor(shm: str = SHM_ROOT, need: int = 0, say: Callable[[str], None] = 
 
     say("memshare folders")
     _check_folders(shm, say, verdict)
-    memfds = _memfd.live_memfds()
+    memfds = _memfd_census.live_memfds()
     say("memshare memfds")
     _check_memfds(say, memfds)
     say("Shared memory memshare holds")
     _report_holdings(shm, say, memfds)
     say("Descriptors and loky's named semaphores")  # the descriptor budget, and what dead runs left
-    for line in _memfd.descriptor_report() + _watchdog.semaphore_report():
+    for line in _memfd_census.descriptor_report() + _watchdog.semaphore_report():
         say(f"  {line}")
 
     say("Versions")
