@@ -95,16 +95,12 @@ class ArgumentRoutes:
         sent = sent_by_reference(shared, self._sender)
         if sent is None:
             return None
-        try:
-            with self._lock:
-                self._check_open()
-                record.held.append(sent.data)
-                if sent.first:  # counted by the broadcast itself: no weak reference per broadcast
-                    self._stats.add_reference(sent.data.nbytes)
-                    log_decision(REFERENCED, sent.data, sent.ref.path)
-        except BaseException as exc:
-            record.error = exc
-            raise
+        # No session lock: nothing of the session's is touched (no file made, the record is this
+        # thread's until packed, the figures have a lock of their own).
+        record.held.append(sent.data)
+        if sent.first:  # counted by the broadcast itself: no weak reference per broadcast
+            self._stats.add_reference(sent.data.nbytes)
+            log_decision(REFERENCED, sent.data, sent.ref.path)
         return sent.reduction
 
     def route_of(self, array: np.ndarray) -> Route:
