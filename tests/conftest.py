@@ -394,31 +394,43 @@ def run_with_private_mounts(
 HEAP_SERVED = ("not a malloc chunk of its own mapping", "its memory is not a private anonymous mapping")
 
 
-def array_fit_to_hold(nbytes: int, seed: int = 0):
-    """A new ordinary float64 array of about ``nbytes`` that memshare can hold once, in this process as it is now.
+def made_where_glibc_maps_it(make, unfit, nbytes: int):
+    """``make()``'s first object for which ``unfit(obj)`` is None, making more while glibc took them from its heap.
 
-    Whether an array can be held once also depends on where glibc put it (a mapping of its own, not heap memory
-    freed by earlier tests); arrays that do not qualify are kept aside while another is made, at most 1 GiB of them
-    and none past the call, so that a failing run holds no gigabytes. Fails with the reason when none qualifies (at
-    once for a reason other than where glibc put the array), so that a test depending on holding once says why.
+    ``unfit(obj)`` says why ``obj`` cannot be held once (None: it can). glibc serves even a large request from
+    heap memory that earlier tests of this process freed, when enough is free there: such an object is rightly not
+    held once, and another of the same size may not be there. So one whose reason is ``HEAP_SERVED`` is kept aside
+    while another is made: at most 1 GiB of them (``nbytes`` each), and none past the call, so that a failing run
+    holds no gigabytes. Fails with the reason when none is fit (at once for a reason other than where glibc put it).
     """
-    from memshare._parent import _held_memory, _held_once
-
     kept_aside, reason = [], None
     try:
         for _ in range(1024**3 // max(nbytes, 1) + 1):
-            array = np.random.default_rng(seed).random(nbytes // 8)
-            reason = _held_once.unfit_reason(array, "r", None)
+            made = make()
+            reason = unfit(made)
             if reason is None:
-                return array
-            placement = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
-            if placement is None or not placement.startswith(HEAP_SERVED):
-                break  # not where glibc put it: another array would fail alike
-            kept_aside.append(array)
-        del array
+                return made
+            if not reason.startswith(HEAP_SERVED):
+                break  # not where glibc put it: another would fail alike
+            kept_aside.append(made)
+        del made
     finally:
         kept_aside.clear()
-    raise AssertionError(f"no array of {nbytes} bytes could be held once in this process: {reason}")
+    raise AssertionError(f"nothing of {nbytes} bytes made here could be held once in this process: {reason}")
+
+
+def array_fit_to_hold(nbytes: int, seed: int = 0):
+    """A new ordinary float64 array of about ``nbytes`` that memshare can hold once, in this process as it is now."""
+    from memshare._parent import _held_memory, _held_once
+
+    def unfit(array):
+        reason = _held_once.unfit_reason(array, "r", None)
+        if reason is None:
+            return None
+        placement = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
+        return reason if placement is None else placement  # where glibc put it, when that is the reason
+
+    return made_where_glibc_maps_it(lambda: np.random.default_rng(seed).random(nbytes // 8), unfit, nbytes)
 
 
 def process_tree(root: int) -> list:

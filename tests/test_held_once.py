@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import psutil
 import pytest
-from conftest import HEAP_SERVED, total, wait_until
+from conftest import made_where_glibc_maps_it, total, wait_until
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -36,28 +36,12 @@ KEPT_ASIDE_BYTES = 1024 * MIB
 
 
 def big(mib=48, seed=0):
-    """A fresh array that glibc served with a mapping of its own, so that it can be held once.
-
-    glibc maps a large allocation on its own unless freed heap memory (left
-    by earlier tests of this process) can take it; such an array is rightly
-    dumped instead, so it is kept aside while another is allocated. At most
-    :data:`KEPT_ASIDE_BYTES` are, and none outlives the call: a failing run
-    must not hold gigabytes (another reason than the heap fails at once).
-    """
-    heap_served, reason = [], None
-    try:
-        for _ in range(KEPT_ASIDE_BYTES // (mib * MIB) + 1):
-            array = np.random.default_rng(seed).random(mib * MIB // 8)
-            reason = _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes)
-            if reason is None:
-                return array
-            if not reason.startswith(HEAP_SERVED):
-                break
-            heap_served.append(array)
-        del array
-    finally:
-        heap_served.clear()
-    raise AssertionError(f"glibc did not serve a {mib} MiB array with a mapping of its own: {reason}")
+    """A fresh array that glibc served with a mapping of its own, so that it can be held once (see conftest)."""
+    return made_where_glibc_maps_it(
+        lambda: np.random.default_rng(seed).random(mib * MIB // 8),
+        lambda array: _held_memory.mmapped_chunk(array.ctypes.data, array.nbytes),
+        mib * MIB,
+    )
 
 
 def value_at(x, i):

@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import mappings_of, memfds_held, memshare_entries
+from conftest import made_where_glibc_maps_it, mappings_of, memfds_held, memshare_entries
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -32,9 +32,19 @@ TASKS = 8
 
 
 def big_tensor(rows: int = 4096, columns: int = 4096, seed: int = 0):
-    """A 64 MiB float32 tensor (4096 x 4096) of random values."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(rows, columns, generator=generator)
+    """A float32 tensor of random values (64 MiB by default); above 32 MiB, a malloc chunk of its own (see conftest)."""
+    from memshare._parent import _held_memory
+
+    def make():
+        return torch.rand(rows, columns, generator=torch.Generator().manual_seed(seed))
+
+    def unfit(tensor):
+        return _held_memory.mmapped_chunk(tensor.data_ptr(), tensor.numel() * tensor.element_size(), aligned=True)
+
+    nbytes = rows * columns * 4
+    if nbytes <= 32 * 1024**2:  # glibc may serve it from its heap by rule (its mmap threshold rises up to 32 MiB)
+        return make()
+    return made_where_glibc_maps_it(make, unfit, nbytes)
 
 
 def checksum(tensor) -> int:
@@ -350,7 +360,11 @@ def test_nothing_is_left_after_a_worker_is_killed(shm_dir):
 def test_an_aligned_malloc_chunk_of_its_own_is_recognised_only_when_asked():
     from memshare._parent import _held_memory
 
-    tensor = torch.empty(64 * 1024**2, dtype=torch.uint8)  # torch's allocator: posix_memalign, 64-byte aligned
+    tensor = made_where_glibc_maps_it(  # torch's allocator: posix_memalign, 64-byte aligned
+        lambda: torch.empty(64 * 1024**2, dtype=torch.uint8),
+        lambda t: _held_memory.mmapped_chunk(t.data_ptr(), t.numel(), aligned=True),
+        64 * 1024**2,
+    )
     address = tensor.data_ptr()
     assert address % _held_memory.PAGE != 16  # not where plain malloc puts a chunk's data
     assert _held_memory.mmapped_chunk(address, tensor.numel()) is not None
