@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import without_location_settings
+from conftest import array_fit_to_hold, without_location_settings
 
 import memshare
 from memshare import MemmappingPool, Parallel, delayed
@@ -78,6 +78,20 @@ def test_stats_count_a_pools_results_and_a_shared_array(mechanism):
     assert after_results >= before + ELEMENTS * 8  # the shared array is still held
     del shared
     assert _held_after_an_empty_call() <= before
+
+
+def test_an_array_held_once_counts_whole_though_its_file_grew_piece_by_piece():
+    # A held file is made empty and grows as the array is copied in: its size is asked, never settled at 0.
+    from memshare._parent import _held_memory
+
+    if _held_memory.unsupported_reason() is not None or not _memfd.decision().in_memory:
+        pytest.skip("arrays are not held once in memfds here")
+    before = _holdings.held().memfds
+    x = array_fit_to_hold(48 * MIB)
+    assert Parallel(n_jobs=2, max_nbytes="1M")(delayed(np.sum)(x) for _ in range(2)) == [x.sum()] * 2
+    assert memshare.last_call_stats()["arrays_held_once"] == 1
+    assert _holdings.held().memfds >= before + x.nbytes
+    del x
 
 
 def test_a_file_held_and_mapped_counts_once():

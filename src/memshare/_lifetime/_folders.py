@@ -194,7 +194,9 @@ class FolderPair:
         ``warn`` is false: a worker leaves the warning to its parent); when
         neither has, :class:`SharedMemoryFullError` names the sizes.
         With ``in_memory``, a memfd is tried first; the path returned is then
-        ``/proc/<pid>/fd/<n>``, and :func:`delete_file` closes it.
+        ``/proc/<pid>/fd/<n>``, and :func:`delete_file` closes it. A file made
+        with ``nbytes`` > 0 keeps that size (its memfd is counted as settled,
+        see ``_memfd.settle``); one made empty may grow (``reserve``).
         """
         attempts = [self.primary] + ([self.fallback] if self.fallback else [])
         if self.in_memory:
@@ -269,8 +271,10 @@ def _create_memfd(nbytes: int, prefix: str) -> Optional[Tuple[str, int]]:
             return None
         raise
     made = _with_room(path, fd, nbytes, _memfd.release, _MEMFD_FALLBACK_ERRNOS)
-    if made is not None:
-        _memfd.settle(path)  # reserved whole: its blocks are counted once
+    if made is not None and nbytes > 0:
+        # Reserved whole, never resized: its blocks are counted once. A file made empty grows
+        # piece by piece (arrays held once, results written in pieces): it is asked each time.
+        _memfd.settle(path)
     return made
 
 
