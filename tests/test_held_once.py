@@ -31,8 +31,6 @@ pytestmark = [
 ]
 
 MIB = 1024**2
-#: How much big() keeps aside, in heap-served arrays, while it asks for another: what a failing call may hold.
-KEPT_ASIDE_BYTES = 1024 * MIB
 
 
 def big(mib=48, seed=0):
