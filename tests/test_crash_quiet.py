@@ -153,7 +153,7 @@ def test_pool_worker_crashing_as_soon_as_it_starts(shm_dir, case):
         else:
             result = pool.starmap_async(first_or_die, [(data, 99)])
         with pytest.raises(memshare.WorkerDiedError, match="SIGSEGV"):
-            result.get(timeout=6)
+            result.get(timeout=PROMPTLY)
     finally:
         _terminate_promptly(pool)
     assert memshare_entries(shm_dir) == []
