@@ -24,7 +24,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import cloudpickle
 
-from ._compat import PoolWithHooks, pending_results, pool_size, pool_workers, start_fork_server_with, worker_process
+from ._compat import (
+    PoolWithHooks,
+    pending_results,
+    pool_size,
+    pool_terminator,
+    pool_workers,
+    start_fork_server_with,
+    worker_process,
+)
 from ._config import Settings, check_temp_folder
 from ._frontends._feed import TaskFeed
 from ._frontends._pool_args import (
@@ -207,12 +215,13 @@ class MemmappingPool(PoolWithHooks):
                 maxtasksperchild,
                 context,
                 message_filter=self._feed.restore,
+                results_abandoned=lambda: watch.results_abandoned,
             )
         except BaseException:
             self._session.close()
             self._watch.close()
             raise
-        self._watch.start(pool_workers(self), pending_results(self))
+        self._watch.start(pool_workers(self), pending_results(self), pool_terminator(self))
         # A pool collected unclosed stops its watch (Pool's own finalizer ends
         # the workers); at exit the watch's daemon thread just ends.
         self._close_watch = weakref.finalize(self, self._watch.close)
@@ -414,7 +423,7 @@ class MemmappingPool(PoolWithHooks):
     # -- lifetime ----------------------------------------------------------------
 
     def close(self) -> None:
-        self._watch.stop()
+        self._watch.pool_closed()  # a worker that dies abruptly while the pool finishes still fails it
         super().close()
 
     def terminate(self) -> None:
@@ -423,13 +432,13 @@ class MemmappingPool(PoolWithHooks):
         try:
             super().terminate()
         finally:
+            self._close_watch()  # first: the watch may be ending the pool itself, for a worker that died
             self._session.close()
-            self._close_watch()
 
     def join(self) -> None:
         super().join()
-        self._session.close()
         self._close_watch()
+        self._session.close()
 
     @property
     def temp_folder(self) -> str:

@@ -103,6 +103,17 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         ),
     ),
     (
+        "multiprocessing Pool._outqueue / _terminate / SimpleQueue._wlock / _writer",
+        "the parent writes its sentinels to the result queue without waiting forever on a lock a killed "
+        "worker took with it; a worker dying ends the pool as terminate() would",
+        lambda: (
+            uses_attribute(_mp_pool.Pool, "_outqueue")
+            and uses_attribute(_mp_pool.Pool, "_terminate")
+            and uses_attribute(_mp_queues.SimpleQueue, "_wlock")
+            and uses_attribute(_mp_queues.SimpleQueue, "_writer")
+        ),
+    ),
+    (
         "multiprocessing Pool._get_sentinels / _change_notifier",
         "the pool's worker thread sleeps until a worker exits or the pool changes, instead of spinning "
         "while each result waits in the pipe",

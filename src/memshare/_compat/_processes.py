@@ -16,6 +16,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
+from ._pool_queues import ParentPut, ResultPipe
 from ._probes import takes_parameter
 
 
@@ -51,6 +52,14 @@ def pool_size(pool: _mp_pool.Pool) -> int:
     return int(getattr(pool, "_processes", 1) or 1)
 
 
+def pool_terminator(pool: _mp_pool.Pool) -> Callable[[], Any]:
+    """What ``pool.terminate()`` runs once the pool's state is set: ends its threads and workers, runs once.
+
+    It holds the pool's parts, not the pool, so a thread may keep it without keeping the pool alive.
+    """
+    return pool._terminate
+
+
 def fail_pool_result(result: Any, error: BaseException) -> None:
     """Complete a pending pool result with ``error``, as the pool's result thread would.
 
@@ -75,6 +84,10 @@ def _same(message: Any) -> Any:
     return message
 
 
+def _never() -> bool:
+    return False
+
+
 def _no_warning(*args: Any, **kwargs: Any) -> None:
     pass
 
@@ -90,14 +103,25 @@ class PoolWithHooks(_mp_pool.Pool):
     forever for its lock. An unclosed running pool, collected, warns once, naming its class.
     """
 
-    def __init__(self, *args: Any, message_filter: Callable[[Any], Any] = _same, **kwargs: Any) -> None:
-        self._message_filter = message_filter  # before Pool.__init__: _setup_queues reads it
+    def __init__(
+        self,
+        *args: Any,
+        message_filter: Callable[[Any], Any] = _same,
+        results_abandoned: Callable[[], bool] = _never,
+        **kwargs: Any,
+    ) -> None:
+        # Before Pool.__init__: _setup_queues reads them.
+        self._message_filter, self._results_abandoned = message_filter, results_abandoned
         super().__init__(*args, **kwargs)
 
     def _setup_queues(self) -> None:
-        # Pool reads _quick_get right after this call, to hand it to its result thread.
+        # Pool reads _quick_get right after this call, to hand it to its result thread. The result
+        # queue is read and written by the parent through _pool_queues, which never waits forever on a
+        # dead worker's lock; the queue's own put stays the workers' (what a worker unpickles).
         super()._setup_queues()
-        receive, restore = self._quick_get, self._message_filter
+        pipe = ResultPipe(self._outqueue._reader)
+        self._outqueue.put = ParentPut(self._outqueue, pipe, self._results_abandoned)
+        receive, restore = pipe.recv, self._message_filter
 
         def receive_and_restore() -> Any:
             return restore(receive())

@@ -4,7 +4,10 @@ A :class:`WorkerWatch` keeps its own state and, of the pool it watches, only
 the pool's live list of workers and its live table of pending results, never
 the pool itself: a pool nobody closes can still be collected, and its
 finalizer then stops the watch. Once a worker died abruptly, ``broken`` holds
-the error that every pending result got, and the pool refuses new tasks.
+the error that every pending result got, the pool refuses new tasks, and
+the watch ends the pool's workers at once (as ``concurrent.futures`` ends a
+broken executor's): its results are nobody's any more, and a worker that
+waits for a task behind the dead one's lock would never end by itself.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class WorkerWatch:
         # collects the pool, which may be one holding it.
         self._lock = _forksafe.rlock()
         self._stopping = False
+        self._closed = False  # the pool takes no more tasks: the watch ends once its results are in
         self._watched: Tuple[int, ...] = ()
         # Written to wake the thread when a worker is added or the watch stops;
         # closed under _lock, by the thread as it ends, or by close() if the
@@ -60,12 +64,27 @@ class WorkerWatch:
         self._wake()
         return process
 
-    def start(self, workers: list, pending: Mapping) -> None:
-        """Start watching; ``workers`` and ``pending`` are the pool's live list of workers and table of results."""
+    def start(self, workers: list, pending: Mapping, end_pool: Callable[[], Any]) -> None:
+        """Start watching.
+
+        ``workers`` and ``pending`` are the pool's live list of workers and
+        table of results; ``end_pool`` ends its threads and workers, without
+        holding the pool, and does nothing once it has run.
+        """
         self._thread = threading.Thread(
-            target=self._run, args=(workers, pending), name="memshare-pool-monitor", daemon=True
+            target=self._run, args=(workers, pending, end_pool), name="memshare-pool-monitor", daemon=True
         )
         self._thread.start()
+
+    @property
+    def results_abandoned(self) -> bool:
+        """True once nothing will read the pool's results: a worker died abruptly, or the pool is ending."""
+        return self.broken is not None or self._stopping
+
+    def pool_closed(self) -> None:
+        """The pool takes no more tasks: keep watching until its pending results are all in."""
+        self._closed = True
+        self._wake()
 
     def stop(self) -> None:
         """Stop watching: from now on a worker's exit is the pool's shutdown, not a failure."""
@@ -88,14 +107,17 @@ class WorkerWatch:
         """The pids of the workers whose end the thread is waiting for (for tests)."""
         return self._watched
 
-    def _run(self, workers: list, pending: Mapping) -> None:
+    def _run(self, workers: list, pending: Mapping, end_pool: Callable[[], Any]) -> None:
         ended: set = set()
         try:
-            while not self._stopping:
+            while not self._stopping and not (self._closed and not pending):
                 ended |= self._wait_for_a_change(ended)
                 if self._stopping:
                     break
                 ended = self._check_exits(ended, workers, pending)
+                if self.broken is not None:
+                    self._stopping = True  # the exits of the workers ended now are no failure
+                    end_pool()
         finally:
             self._watched = ()
             self._forget_workers()
