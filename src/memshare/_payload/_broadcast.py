@@ -23,6 +23,7 @@ worker) does not take the parent's own object for a broadcast it inherited.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import secrets
@@ -34,6 +35,7 @@ import cloudpickle
 import numpy as np
 
 from .. import _forksafe
+from .._lifetime._file_lifetime import FileLifetime
 from .._transport._backing import find_backing, mapped_file
 from .._transport._mapping import array_from_ref, forget_mapping
 from .._transport._refs import ArrayRef, is_file
@@ -245,6 +247,15 @@ class _Sent:
         self._by_token = weakref.WeakValueDictionary()
 
 
+class _Copy(NamedTuple):
+    """A worker's copy of a broadcast: current until its parent drops it (no reader is counted: a task
+    reading it holds the object itself, and only the cache's reference goes)."""
+
+    shared: Broadcast
+    identity: Tuple[int, int]  # (device, inode) of the file its data maps
+    lifetime: FileLifetime
+
+
 class _Received:
     """The broadcasts this process unpickled, each kept until its parent's drop log names it.
 
@@ -256,8 +267,8 @@ class _Received:
 
     def __init__(self) -> None:
         self._lock = _forksafe.lock()
-        # token -> (broadcast, path, (device, inode)) of the file its data maps
-        self._entries: Dict[str, Tuple[Broadcast, str, Tuple[int, int]]] = {}
+        # token -> this process's copy; a copy's lifetime deletes its entry, under _lock
+        self._entries: Dict[str, _Copy] = {}
         # (device, inode) of a parent's drop log -> [the log, the count of drops read so far]
         self._logs: Dict[Tuple[Any, ...], List[Any]] = {}
         self._unlogged = False  # a copy kept without a drop log: check every copy before each task
@@ -266,10 +277,10 @@ class _Received:
         """The copy of a broadcast whose data came as an array (pickled by its ``__reduce__``)."""
         with self._lock:
             entry = self._entries.get(token)
-        if entry is not None and entry[1] == getattr(data, "filename", None):
+        if entry is not None and entry.lifetime.path == getattr(data, "filename", None):
             # Held already (tokens are random: the same path is the same file); the mapping it came over not cached.
-            forget_mapping(entry[1], *entry[2])
-            return entry[0]
+            forget_mapping(entry.lifetime.path, *entry.identity)
+            return entry.shared
         # The file memshare mapped the data from (no system call), else whatever file backs it.
         backing = mapped_file(data) or find_backing(data)
         if backing is None:
@@ -291,8 +302,11 @@ class _Received:
         shared = Broadcast(_load(data), data, token)
         # Two threads of one worker may both unpickle a new broadcast; the first kept wins.
         with self._lock:
-            entry = self._entries.setdefault(token, (shared, path, identity))
-        return entry[0]
+            entry = self._entries.get(token)
+            if entry is None:
+                entry = _Copy(shared, identity, FileLifetime(path, functools.partial(self._entries.pop, token, None)))
+                self._entries[token] = entry
+        return entry.shared
 
     def _watch(self, drops: Optional[LogAddress]) -> None:
         """Read the drop log at ``drops`` before each task from now on (mapped once); None: check every copy."""
@@ -312,8 +326,8 @@ class _Received:
         """This process's copy of the broadcast ``token`` whose data is the file ``path``, if it holds one."""
         with self._lock:
             entry = self._entries.get(token)
-        if entry is not None and entry[1] == path and entry[2] == identity:
-            return entry[0]
+        if entry is not None and entry.lifetime.path == path and entry.identity == identity:
+            return entry.shared
         return None
 
     def prune(self) -> None:
@@ -329,15 +343,21 @@ class _Received:
                     check_all = True
                     continue
                 for token in tokens:
-                    self._entries.pop(token, None)
+                    self._retire(token)
             check_all = check_all or self._unlogged
             entries = list(self._entries.items()) if check_all else []
         if not check_all:
             return
-        gone = [token for token, (_, path, identity) in entries if not is_file(path, identity)]
+        gone = [token for token, entry in entries if not is_file(entry.lifetime.path, entry.identity)]
         with self._lock:
             for token in gone:
-                self._entries.pop(token, None)
+                self._retire(token)
+
+    def _retire(self, token: str) -> None:
+        """Under _lock: the copy ``token`` is no longer current, and its entry goes."""
+        entry = self._entries.get(token)
+        if entry is not None:
+            entry.lifetime.retire()
 
     def tokens(self) -> List[str]:
         with self._lock:
