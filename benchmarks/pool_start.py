@@ -4,11 +4,12 @@ Each repeat runs every contender in a fresh interpreter, interleaved, with two w
 (defined in the main script) over ``range(8)``. What is timed, inside the interpreter, goes from before
 the import of the pool's module to after ``close()`` and ``join()``: what a script that uses one pool
 pays. Contenders: memshare's pool under its default start method (forkserver) and with ``context="fork"``,
-joblib's ``MemmappingPool`` (fork, the default of Python 3.9-3.13 on Linux) and ``multiprocessing.Pool``
-under forkserver and fork. Each child also reports whether its workers and the parent had imported joblib
-and loky after the map. A first round, not counted, writes the bytecode of every module (the children
-write and read it even where ``PYTHONDONTWRITEBYTECODE`` is set, as for a package pip installed and compiled)
-and brings the files into the page cache.
+joblib's ``MemmappingPool`` (under multiprocessing's default start method: fork on Linux up to Python 3.13,
+forkserver from 3.14; the table names the one used) and ``multiprocessing.Pool`` under forkserver and
+fork. Each child also reports whether its workers and the parent had imported joblib and loky after the map.
+A first round, not counted, writes the bytecode of every module (the children write and read it even where
+``PYTHONDONTWRITEBYTECODE`` is set, as for a package pip installed and compiled) and brings the files into
+the page cache.
 
 Usage (from the repository root)::
 
@@ -27,7 +28,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 _CHILD = r"""
-import json, sys, time
+import json, multiprocessing, sys, time
 
 def f(x):
     return x + 1
@@ -62,14 +63,15 @@ if __name__ == "__main__":
     if pool is not None:
         pool.close()
         pool.join()
-    print(json.dumps({"first_map": elapsed, "parent": parent, "worker": worker}))
+    method = multiprocessing.get_start_method() if which == "joblib" else None
+    print(json.dumps({"first_map": elapsed, "parent": parent, "worker": worker, "method": method}))
 """
 
 CONTENDERS = ("memshare", "memshare-fork", "joblib", "forkserver", "fork")
 LABELS = {
     "memshare": "memshare MemmappingPool (forkserver)",
     "memshare-fork": "memshare MemmappingPool (fork)",
-    "joblib": "joblib MemmappingPool (fork)",
+    "joblib": "joblib MemmappingPool ({method})",
     "forkserver": "mp.Pool (forkserver)",
     "fork": "mp.Pool (fork)",
 }
@@ -129,8 +131,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in CONTENDERS:
         values = [run["first_map"] for run in samples[name]]
+        label = LABELS[name].format(method=samples[name][-1].get("method"))
         print(
-            f"| {LABELS[name]} | {median[name]:.3f} s | {min(values):.3f}-{max(values):.3f} s "
+            f"| {label} | {median[name]:.3f} s | {min(values):.3f}-{max(values):.3f} s "
             f"| {median[name] / median['joblib']:.2f} | {median[name] / median['forkserver']:.2f} |"
         )
     last = samples["memshare"][-1]
