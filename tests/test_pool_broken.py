@@ -184,3 +184,40 @@ def test_the_result_reader_stops_when_told_even_halfway_through_a_message():
     assert not thread.is_alive() and isinstance(outcome[0], EOFError)
     writer.close()
     reader.close()
+
+
+def task_queue_of_this_worker():
+    """The task queue of the pool worker running this task: a local of multiprocessing's worker function."""
+    frame = sys._getframe()
+    while frame is not None and "inqueue" not in frame.f_locals:
+        frame = frame.f_back
+    assert frame is not None, "not run by a multiprocessing pool worker"
+    return frame.f_locals["inqueue"]
+
+
+def take_the_task_lock_then_sleep(cue):
+    """Hold the task queue's read lock, as an idle worker does while it reads the next task."""
+    task_queue_of_this_worker()._rlock.acquire()
+    with open(cue, "w") as marker:
+        marker.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def test_a_worker_killed_holding_the_task_lock_leaves_no_thread_writing_a_large_task(shm_dir, tmp_path):
+    # Arrays go in the task (max_nbytes=None): 8 MB that nobody reads, since the only worker that could
+    # read it holds the lock and is killed. The task thread was left writing it forever.
+    pool = MemmappingPool(1, max_nbytes=None)
+    try:
+        cue = tmp_path / "cue"
+        first = pool.apply_async(take_the_task_lock_then_sleep, (str(cue),))
+        worker = pid_in(cue)
+        large = pool.apply_async(np.sum, (np.ones(1_000_000),))
+        time.sleep(0.5)  # the task thread writes what fits in the pipe, then waits for room
+        os.kill(worker, signal.SIGKILL)
+        for result in (first, large):
+            with pytest.raises(memshare.WorkerDiedError, match="SIGKILL"):
+                result.get(timeout=PROMPTLY)
+    finally:
+        assert returns_within(PROMPTLY, pool.terminate), "terminate hangs"
+    assert wait_until(lambda: not pool._task_handler.is_alive(), PROMPTLY), "the task thread is still writing"
+    assert memshare_entries(shm_dir) == []

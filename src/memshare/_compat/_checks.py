@@ -103,11 +103,13 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         ),
     ),
     (
-        "multiprocessing Pool._outqueue / _terminate / SimpleQueue._wlock / _writer",
-        "the parent writes its sentinels to the result queue without waiting forever on a lock a killed "
-        "worker took with it; a worker dying ends the pool as terminate() would",
+        "multiprocessing Pool._outqueue / _inqueue / _quick_put / _terminate / SimpleQueue._wlock / _writer",
+        "the parent reads and writes the pool's queues without waiting forever on a killed worker (its "
+        "lock, or a task it was reading); a worker dying ends the pool as terminate() would",
         lambda: (
             uses_attribute(_mp_pool.Pool, "_outqueue")
+            and uses_attribute(_mp_pool.Pool, "_inqueue")
+            and uses_attribute(_mp_pool.Pool, "_quick_put")
             and uses_attribute(_mp_pool.Pool, "_terminate")
             and uses_attribute(_mp_queues.SimpleQueue, "_wlock")
             and uses_attribute(_mp_queues.SimpleQueue, "_writer")

@@ -14,6 +14,12 @@ abruptly or the pool is terminating, it stops the result thread through
 :class:`ResultPipe` instead. The result thread reads the pipe through
 :class:`ResultPipe`, in ``Connection``'s own framing, and stops when told
 even in the middle of a message.
+
+The task queue has the same hazard the other way: a worker killed while it
+reads a task larger than the pipe (an idle worker holds the queue's read
+lock) leaves the task thread blocked writing the rest, forever, since no
+other worker can take the lock. :class:`TaskSender` writes without blocking
+and gives up once the results are abandoned.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _READ_AHEAD = 1 << 16  # bytes read at once while small messages are pending: se
 _LOOK_AGAIN = 0.05  # seconds between two looks at whether the results still matter
 _SIZE = struct.Struct("!i")  # Connection's length header; -1 announces an 8-byte one
 _LARGE_SIZE = struct.Struct("!Q")
+_SMALL = 16384  # bytes: a message up to this size is written with its header in one write, as Connection does
 
 
 def _close_all(*fds: int) -> None:
@@ -153,4 +160,47 @@ class ParentPut:
             self._lock.release()
 
 
-__all__ = ["ParentPut", "ResultPipe"]
+class TaskSender:
+    """The pool's ``put`` of tasks (its task thread is the queue's one writer): ``Connection.send``'s framing.
+
+    It writes without blocking and waits for room in the pipe only while
+    ``results_abandoned()`` is false; then it raises ``BrokenPipeError``,
+    which the task thread takes as the end of its writing.
+    """
+
+    def __init__(self, connection: Any, results_abandoned: Callable[[], bool]) -> None:
+        self._connection = connection  # keeps the descriptor open
+        self._fd = connection.fileno()
+        # The workers share this end's flags but never write to it.
+        os.set_blocking(self._fd, False)
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLOUT)
+        self._results_abandoned = results_abandoned
+
+    def __call__(self, message: Any) -> None:
+        data = ForkingPickler.dumps(message)
+        size = len(data)
+        if size <= _SMALL:
+            self._write(_SIZE.pack(size) + data)  # one write for a small message
+            return
+        self._write(_SIZE.pack(size) if size <= 0x7FFFFFFF else _SIZE.pack(-1) + _LARGE_SIZE.pack(size))
+        self._write(data)
+
+    def _write(self, data: Any) -> None:
+        try:
+            written = os.write(self._fd, data)  # the usual case: room for all of it
+        except BlockingIOError:
+            written = 0
+        if written == len(data):
+            return
+        view = memoryview(data)[written:]
+        while view:
+            try:
+                view = view[os.write(self._fd, view) :]
+            except BlockingIOError:
+                while not self._poller.poll(_LOOK_AGAIN * 1000):  # milliseconds
+                    if self._results_abandoned():
+                        raise BrokenPipeError("memshare: the pool's workers will read no more tasks") from None
+
+
+__all__ = ["ParentPut", "ResultPipe", "TaskSender"]

@@ -16,7 +16,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
-from ._pool_queues import ParentPut, ResultPipe
+from ._pool_queues import ParentPut, ResultPipe, TaskSender
 from ._probes import takes_parameter
 
 
@@ -115,12 +115,13 @@ class PoolWithHooks(_mp_pool.Pool):
         super().__init__(*args, **kwargs)
 
     def _setup_queues(self) -> None:
-        # Pool reads _quick_get right after this call, to hand it to its result thread. The result
-        # queue is read and written by the parent through _pool_queues, which never waits forever on a
-        # dead worker's lock; the queue's own put stays the workers' (what a worker unpickles).
+        # Pool reads _quick_get and _quick_put right after this call, to hand them to its threads. The
+        # parent reads and writes both queues through _pool_queues, which never waits forever on a dead
+        # worker; the queues' own methods stay the workers' (what a worker unpickles).
         super()._setup_queues()
         pipe = ResultPipe(self._outqueue._reader)
         self._outqueue.put = ParentPut(self._outqueue, pipe, self._results_abandoned)
+        self._quick_put = TaskSender(self._inqueue._writer, self._results_abandoned)
         receive, restore = pipe.recv, self._message_filter
 
         def receive_and_restore() -> Any:
