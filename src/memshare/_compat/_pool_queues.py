@@ -1,4 +1,4 @@
-"""A pool's result queue in the parent: it never waits on a lock that a dead worker took with it.
+"""A pool's two queues at the parent's end: never waiting forever on a worker that died.
 
 Workers write results under the queue's write lock, a semaphore shared with
 the parent. A worker killed while it holds it (between its write and its
@@ -66,8 +66,9 @@ class ResultPipe:
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(self._stop_r, select.POLLIN)
-        # The stop pipe goes with this object: when the pool's threads and queues let go of it.
-        weakref.finalize(self, _close_all, self._stop_r, self._stop_w)
+        # The stop pipe goes with this object: when the pool's threads and queues let go of it. Not at
+        # exit: the pool's result thread may still poll it then, and a number closed early may be reused.
+        weakref.finalize(self, _close_all, self._stop_r, self._stop_w).atexit = False
 
     def recv(self) -> Any:
         """The next message, unpickled; ``EOFError`` once stopped or when every writer is gone."""
@@ -115,7 +116,9 @@ class ResultPipe:
             try:
                 count = os.readv(self._fd, [into])
             except BlockingIOError:
-                self._poller.poll()  # until there is something to read, or a stop
+                # Until there is something to read, or a stop; a descriptor closed under it ends the reading.
+                if any(event & select.POLLNVAL for _, event in self._poller.poll()):
+                    raise EOFError("the pool's result pipe was closed") from None
                 continue
             if count == 0:
                 raise EOFError("every writer of the pool's result pipe is gone")
