@@ -32,9 +32,9 @@ from .._payload._routes import (
 )
 from .._payload._unpacking import Reduction, input_reduction, own_input_reduction
 from .._stats import PICKLED, REFERENCED, CallStats, log_buffer_decision, log_decision
-from .._transport._identity import IdentityTable
+from .._transport._identity import IdentityTable, MemoryKey, memory_key
 from .._transport._pages import copy_on_write_unwritten
-from .._transport._refs import SHARED, ArrayRef, data_address
+from .._transport._refs import SHARED, ArrayRef
 from . import _held_once
 from ._dumps import DumpTable
 from ._kept_buffers import store as kept_buffers
@@ -132,7 +132,7 @@ class ArgumentRoutes:
             with self._lock:
                 self._check_open()  # never a new file once the session has closed (its folder is gone)
                 if route.kind == PICKLE:
-                    if self._dumps.pickled_buffer((_buffer_address(view), view.nbytes)):
+                    if self._dumps.pickled_buffer(_buffer_key(view)):
                         self._stats.add(buffers_pickled=1, bytes_buffers_pickled=view.nbytes)
                         log_buffer_decision(PICKLED, view.nbytes, view.obj, "in the task payload")
                     return None
@@ -206,6 +206,6 @@ class ArgumentRoutes:
 _SENDERS = itertools.count(1)
 
 
-def _buffer_address(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte (of a read-only buffer too); else an identity."""
-    return data_address(np.frombuffer(view, np.uint8)) if view.contiguous else id(view.obj)
+def _buffer_key(view: memoryview) -> MemoryKey:
+    """A buffer's memory (of a read-only buffer too); for a buffer that is not contiguous, its exporter's identity."""
+    return memory_key(np.frombuffer(view, np.uint8)) if view.contiguous else (id(view.obj), view.nbytes)

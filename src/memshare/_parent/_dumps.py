@@ -18,7 +18,7 @@ import functools
 import itertools
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, KeysView, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, KeysView, List, Optional, Set
 
 import numpy as np
 
@@ -26,14 +26,13 @@ from .._lifetime._folders import FolderPair, delete_file
 from .._stats import DUMPED, REUSED, CallStats, log_buffer_decision, log_decision, log_object_decision
 from .._transport._compare import same_bytes
 from .._transport._dumping import dump_array
-from .._transport._identity import IdentityTable
+from .._transport._identity import IdentityTable, MemoryKey, memory_key
 from .._transport._mapping import map_file, view_of
-from .._transport._refs import DUMP, ArrayRef, data_address
+from .._transport._refs import DUMP, ArrayRef
 from ._dump_files import IDLE, RECENT, DumpFile, DumpFiles, Uses
 from ._kept_buffers import KeptIn
 
 #: A buffer's memory: (address, size in bytes).
-_Key = Tuple[int, int]
 
 
 @dataclass
@@ -93,8 +92,8 @@ class DumpTable:
         self._by_array: IdentityTable[_ArrayDump] = IdentityTable()
         # Out-of-band buffers by (address, size) of their memory: the dumped ones (of this generation,
         # and of earlier ones still read), and this generation's counted as pickled in the stream.
-        self._buffers: Dict[_Key, _BufferDump] = {}
-        self._buffers_in_band: Set[_Key] = set()
+        self._buffers: Dict[MemoryKey, _BufferDump] = {}
+        self._buffers_in_band: Set[MemoryKey] = set()
         self._buffers_generation = 0
         self.objects = ObjectDumps(pair, stats, self._files, release_needs)
         self._generations = itertools.count(1)
@@ -179,7 +178,7 @@ class DumpTable:
 
     # -- out-of-band buffers -------------------------------------------------
 
-    def pickled_buffer(self, key: _Key) -> bool:
+    def pickled_buffer(self, key: MemoryKey) -> bool:
         """True the first time in this generation that the buffer at ``key`` (address, size) stays in the stream."""
         self._new_buffer_generation()
         if key in self._buffers_in_band:
@@ -200,7 +199,7 @@ class DumpTable:
         """
         self._new_buffer_generation()
         raw = np.frombuffer(buffer.raw(), np.uint8)  # no copy: the bytes to write
-        key = (data_address(raw), raw.nbytes)
+        key = memory_key(raw)
         held = self._buffers.get(key)
         if held is not None and held.generation != self.generation:
             # Kept from an earlier call because a task still reads it: the memory may have changed since.
@@ -223,11 +222,11 @@ class DumpTable:
         self._files.use(held.file, files)
         return _in_mode(held.file.ref, mode)
 
-    def _buffer_file_gone(self, key: _Key, held: _BufferDump, file: DumpFile) -> None:
+    def _buffer_file_gone(self, key: MemoryKey, held: _BufferDump, file: DumpFile) -> None:
         if self._buffers.get(key) is held:
             del self._buffers[key]  # releases its export
 
-    def _kept_file(self, key: _Key, raw: np.ndarray, mode: str, exporter: object) -> Optional[ArrayRef]:
+    def _kept_file(self, key: MemoryKey, raw: np.ndarray, mode: str, exporter: object) -> Optional[ArrayRef]:
         """The buffer's file kept across calls: an earlier call's if it holds the same bytes, else a new one;
         None when the buffer is not kept (no live Arrow object owns it, or workers may write to it)."""
         if self._kept is None or mode not in ("r", "c"):

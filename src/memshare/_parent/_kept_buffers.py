@@ -48,12 +48,9 @@ from .._lifetime._location import Location
 from .._lifetime._temp_folder import TempFolder
 from .._transport._compare import same_bytes
 from .._transport._dumping import dump_array
-from .._transport._identity import IdentityTable
+from .._transport._identity import IdentityTable, MemoryKey
 from .._transport._mapping import map_file, view_of
 from .._transport._refs import DUMP, ArrayRef
-
-#: A buffer's memory: (address, size in bytes).
-Key = Tuple[int, int]
 
 
 @dataclass
@@ -75,9 +72,9 @@ class KeptBuffers:
         # Re-entrant: an owner collected while this thread holds the lock (a
         # garbage collection set off inside) runs its callback here too.
         self._lock = _forksafe.rlock()
-        self._owners: IdentityTable[List[Key]] = IdentityTable()  # live Arrow object -> the keys it holds
-        self._owned: Dict[Key, int] = {}  # key -> how many live owners hold it
-        self._kept: Dict[Key, _Kept] = {}  # key -> its current file
+        self._owners: IdentityTable[List[MemoryKey]] = IdentityTable()  # live Arrow object -> the keys it holds
+        self._owned: Dict[MemoryKey, int] = {}  # key -> how many live owners hold it
+        self._kept: Dict[MemoryKey, _Kept] = {}  # key -> its current file
         self._by_path: Dict[str, _Kept] = {}  # every file not deleted yet, current or not
         self._folders: Dict[Location, TempFolder] = {}
         self._writing: Dict[Location, int] = {}  # files being written per location
@@ -106,7 +103,7 @@ class KeptBuffers:
                 self._owned[key] = self._owned.get(key, 0) + 1
             self._owners.add(obj, keys, on_collected=self._owner_collected)
 
-    def _owner_collected(self, keys: List[Key]) -> None:
+    def _owner_collected(self, keys: List[MemoryKey]) -> None:
         """A weak reference callback (any thread): keys no live owner holds are forgotten."""
         with self._lock:
             for key in keys:
@@ -121,7 +118,7 @@ class KeptBuffers:
 
     # -- files -----------------------------------------------------------------
 
-    def reuse(self, key: Key, raw: np.ndarray, location: Location) -> Optional[ArrayRef]:
+    def reuse(self, key: MemoryKey, raw: np.ndarray, location: Location) -> Optional[ArrayRef]:
         """The kept file of the buffer at ``key`` (bytes ``raw``) if it still holds those bytes, now used once
         more; None if there is none, or it was stale (then no longer current)."""
         with self._lock:
@@ -146,7 +143,7 @@ class KeptBuffers:
             self._release(kept)
         return None
 
-    def keep(self, key: Key, raw: np.ndarray, location: Location) -> Optional[Tuple[ArrayRef, float, bool]]:
+    def keep(self, key: MemoryKey, raw: np.ndarray, location: Location) -> Optional[Tuple[ArrayRef, float, bool]]:
         """Write ``raw`` (the buffer at ``key``) to a new kept file, used once; None when no live owner holds it.
 
         Returns the file's reference, the seconds taken and whether it went
@@ -181,7 +178,7 @@ class KeptBuffers:
         kept.lifetime = FileLifetime(ref.path, functools.partial(self._delete, kept), readers=1)
         return kept
 
-    def _add(self, key: Key, kept: _Kept) -> None:
+    def _add(self, key: MemoryKey, kept: _Kept) -> None:
         """A new file for ``key``: current unless its last owner went while it was written."""
         self._by_path[kept.ref.path] = kept
         if key not in self._owned:
@@ -233,17 +230,17 @@ class KeptIn:
     store: KeptBuffers
     location: Location
 
-    def reuse(self, key: Key, raw: np.ndarray) -> Optional[ArrayRef]:
+    def reuse(self, key: MemoryKey, raw: np.ndarray) -> Optional[ArrayRef]:
         return self.store.reuse(key, raw, self.location)
 
-    def keep(self, key: Key, raw: np.ndarray) -> Optional[Tuple[ArrayRef, float, bool]]:
+    def keep(self, key: MemoryKey, raw: np.ndarray) -> Optional[Tuple[ArrayRef, float, bool]]:
         return self.store.keep(key, raw, self.location)
 
     def release(self, path: str) -> None:
         self.store.release(path)
 
 
-def _buffer_keys(obj: Any) -> Iterator[Key]:
+def _buffer_keys(obj: Any) -> Iterator[MemoryKey]:
     """(address, size) of each buffer of an Arrow object: every chunk's, its children's and dictionaries'."""
     pa = sys.modules.get("pyarrow")
     if pa is None:
@@ -279,4 +276,4 @@ def store() -> KeptBuffers:
     return _store
 
 
-__all__ = ["Key", "KeptBuffers", "KeptIn", "store"]
+__all__ = ["KeptBuffers", "KeptIn", "store"]

@@ -1,4 +1,4 @@
-"""Tables keyed by the identity of live arrays, which cannot be hashed.
+"""Tables keyed by what a live value is: its identity (an object), or its memory (a buffer).
 
 ``np.ndarray`` is unhashable, so neither a dict nor a ``WeakSet`` can key on
 one. An :class:`IdentityTable` keys on ``id()`` and keeps a weak reference
@@ -6,6 +6,12 @@ beside each value to tell the same array from a later one given the same
 ``id()``. The entry leaves the table the moment its array is collected:
 weak reference callbacks run before the memory, and so the ``id()``, can be
 reused. A long session over many short-lived arrays never grows the table.
+
+A buffer has no object to key by: each exporter wraps the same memory in a
+new object every time it is pickled. It is keyed by its memory, a
+:data:`MemoryKey`. Such a key means that memory only while the entry holds
+it (an export, an array over it, or a live owner, as each store documents):
+otherwise the memory could be freed and its address taken by other data.
 """
 
 from __future__ import annotations
@@ -13,7 +19,17 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Dict, Generic, Optional, Tuple, TypeVar
 
+import numpy as np
+
 Value = TypeVar("Value")
+
+#: A buffer's memory: (address of its first byte, size in bytes).
+MemoryKey = Tuple[int, int]
+
+
+def memory_key(raw: np.ndarray) -> MemoryKey:
+    """The :data:`MemoryKey` of the bytes of a contiguous array (a byte view of a buffer)."""
+    return raw.__array_interface__["data"][0], raw.nbytes
 
 
 class IdentityTable(Generic[Value]):

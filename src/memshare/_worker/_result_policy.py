@@ -29,9 +29,10 @@ from .._payload._routes import (
     result_route,
 )
 from .._stats import REFERENCED, RETURNED_INPUT, log_decision
+from .._transport._identity import MemoryKey, memory_key
 from .._transport._pages import copy_on_write_unwritten
 from .._transport._protocol import ResultSpec, Slot
-from .._transport._refs import ArrayRef, data_address
+from .._transport._refs import ArrayRef
 from .._transport._shared_store import lookup_shared
 from ._handoff_worker import Moved, ResultHandover, descriptor_limit_explained
 from ._result_files import MadeFiles, PendingResults, create_result_file
@@ -62,7 +63,7 @@ class ResultPolicy:
         self._held: List[np.ndarray] = []
         # Out-of-band buffers of the return value, as byte arrays over their memory, by (address, size):
         # the same memory offered twice (two wrappers of one Arrow buffer) is one array, so one slot.
-        self._buffer_arrays: Dict[Tuple[int, int], np.ndarray] = {}
+        self._buffer_arrays: Dict[MemoryKey, np.ndarray] = {}
         self._named = dataclasses.replace(spec.folder, in_memory=False)
         self._made = MadeFiles()  # every file made, to remove on failure
         self._pending = PendingResults(spec.folder, self._made)
@@ -85,7 +86,7 @@ class ResultPolicy:
         if buffer_route(view.nbytes, view.contiguous, self.spec.max_nbytes).kind != OUT_OF_BAND:
             return None
         raw = np.frombuffer(buffer.raw(), np.uint8)
-        raw = self._buffer_arrays.setdefault((data_address(raw), raw.nbytes), raw)
+        raw = self._buffer_arrays.setdefault(memory_key(raw), raw)
         return self.slot_of(raw)
 
     def write_pending(self) -> None:
