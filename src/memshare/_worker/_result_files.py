@@ -30,13 +30,15 @@ sent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import List, MutableSequence, Optional, Tuple, Union
+from typing import Dict, List, MutableSequence, Optional, Tuple, Union
 
 import numpy as np
 
 from .._errors import SharedMemoryFullError
 from .._lifetime import _memfd
+from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, open_for_writing, reserve
 from .._transport._dumping import file_order, file_reference, iter_pieces, write_range
 from .._transport._refs import RESULT, ArrayRef, file_identity
@@ -151,26 +153,30 @@ def _move(folder: FolderPair, fd: int, ref: ArrayRef, written: int, nbytes: int)
 
 
 class MadeFiles:
-    """The files one task made for its results, each deleted if its outcome cannot be sent."""
+    """The files one task made for its results, each deleted if its outcome cannot be sent.
+
+    Each has a :class:`FileLifetime`, current until the outcome is sent:
+    then the parent owns the files (it adopts them), and nothing here
+    deletes them. No reader is counted: the task's one thread writes them.
+    """
 
     def __init__(self) -> None:
-        self._paths: List[str] = []
+        self._files: Dict[str, FileLifetime] = {}
 
     def add(self, path: str) -> None:
-        self._paths.append(path)
+        self._files[path] = FileLifetime(path, functools.partial(delete_file, path))
 
     def __contains__(self, path: str) -> bool:
-        return path in self._paths
+        return path in self._files
 
     def delete(self, path: str) -> None:
         """Delete the file at ``path`` (one of these) and forget it."""
-        delete_file(path)
-        self._paths.remove(path)
+        self._files.pop(path).end()
 
     def delete_all(self) -> None:
-        for path in self._paths:
-            delete_file(path)
-        self._paths.clear()
+        files, self._files = self._files, {}
+        for lifetime in files.values():
+            lifetime.end()
 
 
 class PendingResults:
