@@ -100,7 +100,10 @@ class PoolWithHooks(_mp_pool.Pool):
     keeps the function as long as it runs, so the function must not hold the
     pool. Its worker thread wakes for worker exits and pool changes only, not
     for every result. ``terminate()`` drains the task queue without waiting
-    forever for its lock. An unclosed running pool, collected, warns once, naming its class.
+    forever for its lock. The parent reads results and writes tasks and
+    sentinels through ``_pool_queues``: once ``results_abandoned()`` is true
+    (a worker died abruptly, the pool is ending), none of them waits on a
+    dead worker. An unclosed running pool, collected, warns once, naming its class.
     """
 
     def __init__(
