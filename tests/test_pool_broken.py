@@ -29,18 +29,19 @@ def pid(_):
     return os.getpid()
 
 
-def result_queue_of_this_worker():
-    """The result queue of the pool worker running this task: a local of multiprocessing's worker function."""
+def queue_of_this_worker(name):
+    """The queue ``name`` ("inqueue" for tasks, "outqueue" for results) of the pool worker running this task:
+    a local of multiprocessing's worker function."""
     frame = sys._getframe()
-    while frame is not None and "outqueue" not in frame.f_locals:
+    while frame is not None and name not in frame.f_locals:
         frame = frame.f_back
     assert frame is not None, "not run by a multiprocessing pool worker"
-    return frame.f_locals["outqueue"]
+    return frame.f_locals[name]
 
 
 def take_the_result_lock_then_sleep(cue, halfway):
     """Hold the result queue's write lock, as a worker does while it writes; halfway: with half a message written."""
-    queue = result_queue_of_this_worker()
+    queue = queue_of_this_worker("outqueue")
     queue._wlock.acquire()
     if halfway:
         os.write(queue._writer.fileno(), struct.pack("!i", 1 << 20) + b"x" * 1000)
@@ -186,18 +187,9 @@ def test_the_result_reader_stops_when_told_even_halfway_through_a_message():
     reader.close()
 
 
-def task_queue_of_this_worker():
-    """The task queue of the pool worker running this task: a local of multiprocessing's worker function."""
-    frame = sys._getframe()
-    while frame is not None and "inqueue" not in frame.f_locals:
-        frame = frame.f_back
-    assert frame is not None, "not run by a multiprocessing pool worker"
-    return frame.f_locals["inqueue"]
-
-
 def take_the_task_lock_then_sleep(cue):
     """Hold the task queue's read lock, as an idle worker does while it reads the next task."""
-    task_queue_of_this_worker()._rlock.acquire()
+    queue_of_this_worker("inqueue")._rlock.acquire()
     with open(cue, "w") as marker:
         marker.write(str(os.getpid()))
     time.sleep(60)

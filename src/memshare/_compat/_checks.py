@@ -107,12 +107,8 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         "the parent reads and writes the pool's queues without waiting forever on a killed worker (its "
         "lock, or a task it was reading); a worker dying ends the pool as terminate() would",
         lambda: (
-            uses_attribute(_mp_pool.Pool, "_outqueue")
-            and uses_attribute(_mp_pool.Pool, "_inqueue")
-            and uses_attribute(_mp_pool.Pool, "_quick_put")
-            and uses_attribute(_mp_pool.Pool, "_terminate")
-            and uses_attribute(_mp_queues.SimpleQueue, "_wlock")
-            and uses_attribute(_mp_queues.SimpleQueue, "_writer")
+            all(uses_attribute(_mp_pool.Pool, name) for name in ("_outqueue", "_inqueue", "_quick_put", "_terminate"))
+            and all(uses_attribute(_mp_queues.SimpleQueue, name) for name in ("_wlock", "_writer"))
         ),
     ),
     (
