@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 from memshare._lifetime._file_lifetime import FileLifetime
 
 
@@ -42,3 +45,22 @@ def test_ending_a_file_deletes_it_though_it_is_read_and_only_once():
     assert deleted == [True] and file.deleted and file.readers == 0
     assert not file.end() and not file.retire()
     assert deleted == [True]
+
+
+def test_a_temp_folder_is_a_file_lifetime_with_one_owner(tmp_path):
+    from memshare._lifetime._temp_folder import TempFolder, live_folders
+
+    removed = TempFolder(str(tmp_path))
+    collected = TempFolder(str(tmp_path))
+    paths = [removed.pair.primary, collected.pair.primary]
+    for path in paths:
+        os.mkdir(path, 0o700)
+    assert removed.lifetime.current and not removed.lifetime.deleted
+    removed.remove()
+    assert removed.lifetime.deleted and not os.path.exists(paths[0])
+    removed.remove()  # once only
+    lifetime = collected.lifetime
+    del collected
+    gc.collect()
+    assert lifetime.deleted and not os.path.exists(paths[1])
+    assert not set(paths) & set(live_folders())

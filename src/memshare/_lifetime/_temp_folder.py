@@ -2,9 +2,10 @@
 
 A ``TempFolder`` belongs to one pool, one joblib call (or managed ``with
 Parallel()`` context), or the process's shared-array store. Its folders are
-made lazily, on the first file, and removed by :meth:`TempFolder.remove`, by
-a finalizer when the object is collected, at interpreter exit, and, if the
-owner dies without any of those, by the owner's watchdog process
+made lazily, on the first file. Its
+:class:`~memshare._lifetime._file_lifetime.FileLifetime` removes them once:
+at :meth:`TempFolder.remove`, when the object is collected, or at
+interpreter exit. If the owner dies without any of those, its watchdog process
 (``_watchdog``); only the process that made them removes them. The first
 folder of a process sweeps the folders of dead owners (``_sweep``).
 
@@ -17,6 +18,7 @@ each after a kill, as leaked or as already gone.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import stat
@@ -26,6 +28,7 @@ from typing import List, Optional, Set
 
 from .. import _forksafe
 from . import _procfs
+from ._file_lifetime import FileLifetime
 from ._folder_warnings import forget_warnings, warn_if_on_disk
 from ._folders import FolderPair
 from ._location import SHM_ROOT, Location, choose_location, fallback_base
@@ -187,7 +190,10 @@ class TempFolder:
         # (for a result) before the owner does, and it must still be cleaned.
         for path in paths:
             _state.watchdog.register(path)
-        self._finalizer = weakref.finalize(self, _remove_own_paths, os.getpid(), paths)
+        # One owner and no readers: current until removed or collected. The finalizer runs end() once,
+        # whichever thread calls remove() (FileLifetime itself is not thread-safe).
+        self.lifetime = FileLifetime(self.pair.primary, functools.partial(_remove_own_paths, os.getpid(), paths))
+        self._finalizer = weakref.finalize(self, self.lifetime.end)
 
     def remove(self) -> None:
         """Delete the folders and everything in them (in the process that made them; see below)."""
