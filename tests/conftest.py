@@ -457,6 +457,27 @@ def pytest_configure(config) -> None:
     os.environ[RUN_VARIABLE] = uuid.uuid4().hex
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Run the tests of a module that sets ``RUN_GROUPED_BY = "param"`` grouped by that parameter's value.
+
+    joblib's loky backend replaces its workers whenever a call's ``mmap_mode``
+    differs from the previous call's; tests that compare with joblib under
+    every mode would otherwise start two workers each. The sort is stable:
+    within a value, tests keep their order.
+    """
+    positions = {}
+    for index, item in enumerate(items):
+        param = getattr(item.module, "RUN_GROUPED_BY", None)
+        spec = getattr(item, "callspec", None)
+        if param is not None and spec is not None and param in spec.params:
+            positions.setdefault(item.module, []).append(index)
+    for module, indexes in positions.items():
+        param = module.RUN_GROUPED_BY
+        grouped = sorted((items[i] for i in indexes), key=lambda item: str(item.callspec.params[param]))
+        for index, item in zip(indexes, grouped):
+            items[index] = item
+
+
 def _carries(pid: int, marker: bytes) -> bool:
     """True when process ``pid`` started with ``marker`` (``NAME=value``) in its environment."""
     try:

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 
 N = 2 * 1024**2 // 8  # 2 MiB of float64: above the default max_nbytes (1M)
 MODES = ("r", "c", "r+", "w+")
+# Tests run grouped by the call's mode (conftest): joblib starts new workers whenever the mode changes.
+RUN_GROUPED_BY = "mode"
 
 
 @pytest.fixture(params=["memfd", NAMED])
