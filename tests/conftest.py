@@ -467,7 +467,7 @@ def pytest_collection_modifyitems(items) -> None:
     """
     positions = {}
     for index, item in enumerate(items):
-        param = getattr(item.module, "RUN_GROUPED_BY", None)
+        param = getattr(getattr(item, "module", None), "RUN_GROUPED_BY", None)
         spec = getattr(item, "callspec", None)
         if param is not None and spec is not None and param in spec.params:
             positions.setdefault(item.module, []).append(index)

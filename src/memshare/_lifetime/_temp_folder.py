@@ -5,8 +5,8 @@ Parallel()`` context), or the process's shared-array store. Its folders are
 made lazily, on the first file. Its
 :class:`~memshare._lifetime._file_lifetime.FileLifetime` removes them once:
 at :meth:`TempFolder.remove`, when the object is collected, or at
-interpreter exit. If the owner dies without any of those, its watchdog process
-(``_watchdog``); only the process that made them removes them. The first
+interpreter exit. If the owner dies without any of those, its watchdog
+process (``_watchdog``) does. Only the process that made them removes them. The first
 folder of a process sweeps the folders of dead owners (``_sweep``).
 
 The watchdog also removes a killed owner's loky semaphores; while it runs,
