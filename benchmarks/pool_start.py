@@ -6,7 +6,9 @@ the import of the pool's module to after ``close()`` and ``join()``: what a scri
 pays. Contenders: memshare's pool under its default start method (forkserver) and with ``context="fork"``,
 joblib's ``MemmappingPool`` (under multiprocessing's default start method: fork on Linux up to Python 3.13,
 forkserver from 3.14; the table names the one used) and ``multiprocessing.Pool`` under forkserver and
-fork. Each child also reports whether its workers and the parent had imported joblib and loky after the map.
+fork. Each child also reports whether its workers and the parent had imported joblib, loky or numpy after
+the map. With ``--numpy-first`` each child imports numpy first, inside the timed span, as a script that sends
+arrays does.
 A first round, not counted, writes the bytecode of every module (the children write and read it even where
 ``PYTHONDONTWRITEBYTECODE`` is set, as for a package pip installed and compiled) and brings the files into
 the page cache.
@@ -14,6 +16,7 @@ the page cache.
 Usage (from the repository root)::
 
     python -m benchmarks.pool_start --repeats 9
+    python -m benchmarks.pool_start --repeats 9 --numpy-first
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import json, multiprocessing, sys, time
 def f(x):
     return x + 1
 
-NAMES = ("joblib", "joblib.externals.loky", "pandas", "pyarrow", "scipy")
+NAMES = ("joblib", "joblib.externals.loky", "numpy", "pandas", "pyarrow", "scipy")
 
 def imported(_):
     return sorted(name for name in NAMES if name in sys.modules)
@@ -41,6 +44,8 @@ def imported(_):
 if __name__ == "__main__":
     which = sys.argv[1]
     started = time.perf_counter()
+    if sys.argv[2:] == ["numpy"]:
+        import numpy
     if which == "memshare":
         from memshare import MemmappingPool
         pool = MemmappingPool(2)
@@ -82,14 +87,19 @@ LABELS = {
 _ENV = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
 
 
-def run_once(script: str, contender: str, env: Optional[Dict[str, str]] = None) -> Dict:
+def run_once(script: str, contender: str, env: Optional[Dict[str, str]] = None, numpy_first: bool = False) -> Dict:
     """One fresh interpreter with ``contender``'s first pool.
 
     The script is a file: under forkserver the standard pool's workers find
     ``f`` by importing the main script, which ``-c`` lacks.
     """
     completed = subprocess.run(
-        [sys.executable, script, contender], capture_output=True, text=True, timeout=600, check=True, env=env or _ENV
+        [sys.executable, script, contender, *(["numpy"] if numpy_first else [])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env=env or _ENV,
     )
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -105,6 +115,7 @@ def main() -> None:
         help="children get this environment unchanged (PYTHONDONTWRITEBYTECODE included): a package without "
         "bytecode, such as an editable install in such an environment, is compiled by every interpreter",
     )
+    parser.add_argument("--numpy-first", action="store_true", help="each child imports numpy first, timed")
     args = parser.parse_args()
     env = dict(os.environ) if args.environment_as_is else _ENV
     samples: Dict[str, List[Dict]] = {name: [] for name in CONTENDERS}
@@ -114,10 +125,10 @@ def main() -> None:
         with open(script, "w") as child:
             child.write(_CHILD)
         for name in CONTENDERS:  # a round not counted: bytecode written, files in the page cache
-            run_once(script, name, env)
+            run_once(script, name, env, args.numpy_first)
         for _ in range(args.repeats):
             for name in CONTENDERS:
-                samples[name].append(run_once(script, name, env))
+                samples[name].append(run_once(script, name, env, args.numpy_first))
     load_after = os.getloadavg()
     median = {name: statistics.median(run["first_map"] for run in runs) for name, runs in samples.items()}
     print("\n".join(machine_description(sys.argv)))
@@ -125,8 +136,9 @@ def main() -> None:
         f"- Load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in load_before)} before, "
         f"{', '.join(f'{x:.2f}' for x in load_after)} after"
     )
-    print(f"\n{args.repeats} repeats, each contender in a fresh interpreter, interleaved; seconds from the import")
-    print("to the end of close() and join().\n")
+    first = "numpy's import, then " if args.numpy_first else ""
+    print(f"\n{args.repeats} repeats, each contender in a fresh interpreter, interleaved; seconds from {first}the")
+    print("import of the pool's module to the end of close() and join().\n")
     print("| contender | median | min-max | / joblib's pool | / mp.Pool (forkserver) |")
     print("|---|---|---|---|---|")
     for name in CONTENDERS:
@@ -138,7 +150,7 @@ def main() -> None:
         )
     last = samples["memshare"][-1]
     print(f"\nmemshare (forkserver), after its first map: the parent had imported {last['parent'] or 'none'} of")
-    print(f"joblib, loky, pandas, pyarrow and scipy; a worker of a second pool, {last['worker'] or 'none'}.")
+    print(f"joblib, loky, numpy, pandas, pyarrow and scipy; a worker of a second pool, {last['worker'] or 'none'}.")
 
 
 if __name__ == "__main__":

@@ -477,7 +477,7 @@ def _c_extension_doc(source: Path) -> str:
 #: import each other. ARCHITECTURE.md's "## Modules" gives each a table.
 LAYERS = (("_frontends",), ("_parent", "_worker"), ("_payload",), ("_transport",), ("_lifetime",))
 #: Top-level private modules every layer may use: they import nothing of memshare's but each other.
-BASE = ("_errors", "_config", "_compat", "_stats", "_forksafe")
+BASE = ("_errors", "_config", "_compat", "_stats", "_forksafe", "_numpy")
 #: Imports that go the wrong way today, each with why; the list only shrinks.
 UPWARD: Dict[Tuple[str, str], str] = {}
 

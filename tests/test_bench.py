@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -404,3 +406,35 @@ def test_timeline_needs_memshare_and_joblib(tmp_path):
 
     path = tmp_path / "timeline.png"
     assert not plot_timeline(_timeline_report([("memshare", MiB)]), str(path)) and not path.exists()
+
+
+def memshare_names_used(text: str) -> list:
+    """Every ``memshare`` name ``text`` imports, and every attribute it reads of a memshare module it imported.
+
+    Scripts run in child interpreters are strings inside the benchmarks' files, so this reads the text.
+    """
+    names = []
+    for module, imported in re.findall(r"^\s*from (memshare[\w.]*) import ([\w, ]+)$", text, re.MULTILINE):
+        for name in (part.strip() for part in imported.split(",")):
+            names.append((module, name))
+            names += [(f"{module}.{name}", attr) for attr in sorted(set(re.findall(rf"\b{name}\.(\w+)", text)))]
+    return names
+
+
+def test_the_benchmark_scripts_name_only_what_memshare_has():
+    """A module or function the scripts of benchmarks/ use by name still exists (they run in no other test)."""
+    missing, seen = [], 0
+    for path in sorted(Path(ROOT, "benchmarks").glob("*.py")):
+        for module, name in memshare_names_used(path.read_text(encoding="utf-8")):
+            seen += 1
+            if not hasattr(importlib.import_module(module), name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"benchmarks/{path.name}: {module}.{name}")
+    assert seen > 10 and not missing, missing
+
+
+def test_the_benchmark_scripts_check_finds_a_name_gone():
+    text = "RUN = '''\nfrom memshare._lifetime import _memfd\nprint(_memfd.descriptors_of())\n'''\n"
+    assert ("memshare._lifetime._memfd", "descriptors_of") in memshare_names_used(text)

@@ -1,4 +1,4 @@
-"""What ``import memshare`` and a ``MemmappingPool`` import: no joblib or loky unless joblib is used.
+"""What ``import memshare`` and a ``MemmappingPool`` import: no joblib or loky unless joblib is used, no numpy early.
 
 Each case runs in a fresh interpreter, since this one has imported joblib already.
 """
@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import run_script
 
-#: Modules a plain pool needs in neither process.
-NOT_FOR_A_POOL = ("joblib", "joblib.externals.loky", "pandas", "pyarrow", "scipy")
+#: Modules a pool of plain objects needs in neither process.
+NOT_FOR_A_POOL = ("joblib", "joblib.externals.loky", "pandas", "pyarrow", "scipy", "numpy")
 
 POOL_SCRIPT = f"""
 import json, sys
@@ -27,10 +27,57 @@ print(json.dumps({{"workers": workers, "parent": imported(None)}}))
 
 @pytest.mark.parametrize("method", ["forkserver", "fork", "spawn"])
 def test_a_pool_and_its_workers_import_no_joblib(shm_dir, method):
-    """``import memshare`` and a pool's first map import neither joblib nor loky, in the parent or a worker."""
+    """``import memshare`` and a pool's first map of plain objects import neither joblib, loky nor numpy."""
     code = POOL_SCRIPT.replace("sys.argv[1]", repr(method))
     seen = json.loads(run_script(code).stdout.strip().splitlines()[-1])
     assert seen == {"workers": [[], [], [], []], "parent": []}
+
+
+def test_no_module_of_the_runtime_imports_numpy_at_import(shm_dir):
+    """Every module outside the joblib side and the tools loads without numpy: it is imported on first use."""
+    code = """
+import importlib, json, pkgutil, sys
+import memshare
+joblib_side = ("memshare.backend", "memshare.parallel", "memshare._frontends._executor", "memshare.__main__")
+names = [m.name for m in pkgutil.walk_packages(memshare.__path__, "memshare.")]
+names = [name for name in names if name not in joblib_side and not name.startswith("memshare._tools")]
+for name in names:
+    importlib.import_module(name)
+print(json.dumps([len(names), "numpy" in sys.modules, "joblib" in sys.modules]))
+"""
+    count, numpy_imported, joblib_imported = json.loads(run_script(code).stdout.strip().splitlines()[-1])
+    assert count > 60 and not numpy_imported and not joblib_imported
+
+
+NUMPY_SCRIPT = """
+import sys
+import memshare
+
+def numpy_in(_):
+    import sys
+    return "numpy" in sys.modules
+
+def total(array):
+    return float(array.sum())
+
+if sys.argv[1] == "numpy first":
+    import numpy
+with memshare.MemmappingPool(2, context="forkserver", max_nbytes=1000) as pool:
+    before = pool.map(numpy_in, range(2), chunksize=1)
+    import numpy as np
+    arrays = [np.full(10_000, i, dtype=np.float64) for i in range(4)]  # shared: over max_nbytes
+    totals = pool.map(total, arrays, chunksize=1)
+    doubled = pool.starmap(np.add, zip(arrays, arrays))  # results over max_nbytes: files
+print(before, totals, [float(a[0]) for a in doubled])
+"""
+
+
+@pytest.mark.parametrize("first", ["numpy first", "numpy later"])
+def test_the_fork_server_has_numpy_when_the_parent_had_it(shm_dir, first):
+    """The server preloads numpy for a parent that has it; without it, workers import numpy with their first array."""
+    result = run_script(NUMPY_SCRIPT.replace("sys.argv[1]", repr(first)))
+    preloaded = first == "numpy first"
+    assert result.stdout.split("\n")[-2] == f"{[preloaded] * 2} [0.0, 10000.0, 20000.0, 30000.0] [0.0, 2.0, 4.0, 6.0]"
 
 
 @pytest.mark.parametrize("joblib_first", [True, False], ids=["joblib-first", "memshare-first"])

@@ -77,13 +77,16 @@ PRELOAD_SCRIPT = textwrap.dedent(
     from memshare import MemmappingPool
 
     def where_am_i(_):
-        # Under forkserver a worker is a child of the fork server: numpy in the server's maps means memshare
-        # (which imports it) was preloaded there; colorsys is the user's own preload, which must be kept.
+        # Under forkserver a worker is a child of the fork server: numpy in the server's maps means memshare's
+        # preload reached it (numpy is on it for a parent that has numpy, imported below where the server's
+        # import of this script does not run it); colorsys is the user's own preload, which must be kept.
         with open(f"/proc/{os.getppid()}/maps") as maps:
             server_has_numpy = "_multiarray_umath" in maps.read()
         return server_has_numpy, "colorsys" in sys.modules
 
     if __name__ == "__main__":
+        import numpy
+
         multiprocessing.set_forkserver_preload(["colorsys"])
         with MemmappingPool(2) as pool:
             print(set(pool.map(where_am_i, range(4))))

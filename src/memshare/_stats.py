@@ -14,10 +14,9 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Dict, Optional
 
-import numpy as np
-
 from . import _forksafe
 from ._config import ENV_DEBUG, env_flag
+from ._numpy import np
 
 logger = logging.getLogger("memshare")
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence, Tuple, Union
 
-import numpy as np
-
+from ._numpy import np
 from ._transport._backing import find_backing
 from ._transport._dumping import file_order
 from ._transport._shared_store import new_shared_array

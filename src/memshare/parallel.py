@@ -27,13 +27,13 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import joblib
-import numpy as np
 from joblib import delayed
 from joblib.parallel import BACKENDS, get_active_backend
 
 from ._compat import iterator_exhausted, parallel_backend, parallel_config_options
 from ._config import parse_max_nbytes
 from ._errors import SharedArrayCopiedWarning
+from ._numpy import np
 from ._transport._shared_store import views_shared_array
 from .backend import BACKEND_NAME, MemshareBackend
 

@@ -49,6 +49,7 @@ from ._frontends._pool_args import (
 from ._frontends._pool_results import ChunkedMapResult, join_chunks, length_of, with_progress_bar
 from ._frontends._worker_watch import WorkerWatch
 from ._lifetime._owners import owner_identity
+from ._numpy import numpy_imported
 from ._parent._session import Session
 from ._payload._main_functions import MainFunctions
 from ._payload._reducers import Reducers
@@ -179,11 +180,11 @@ class MemmappingPool(PoolWithHooks):
         check_context_id(context_id)
         context = resolve_context(context)
         if context.get_start_method() == "forkserver":
-            # Workers forked from a server that has imported what they run (memshare's worker side and
-            # numpy, not joblib: see _registration) start at once; otherwise each imports it, and a
-            # replacement worker pays that again. Started now, not by the first worker: the server imports
-            # while this process sets up the pool's session (the memfd probe, a folder, a socket).
-            start_fork_server_with("memshare._worker._entry")
+            # Workers forked from a server that has imported what they run (memshare's worker side, not
+            # joblib: see _registration) start at once; otherwise each imports it, and a replacement worker
+            # pays that again. numpy too, once this process has it: it will send arrays. Started now, not by
+            # the first worker: the server imports while this process sets up the pool's session.
+            start_fork_server_with("memshare._worker._entry", *(("numpy",) if numpy_imported() else ()))
         self._session = Session(
             settings, forward_reducers, "use a multiprocessing.pool.ThreadPool (threads need no pickling)"
         )

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Dict
 
-import numpy as np
+from .._numpy import np
 
-try:  # numpy >= 2
-    from numpy._core import multiarray as numpy_multiarray
-except ImportError:  # numpy 1.x
-    from numpy.core import multiarray as numpy_multiarray
 
-#: numpy before 1.22 has one allocator, malloc; later releases let a library plug its own.
-NUMPY_PLUGGABLE_ALLOCATOR = tuple(int(part) for part in np.__version__.split(".")[:2]) >= (1, 22)
+@functools.cache
+def numpy_multiarray() -> Any:
+    """numpy's ``multiarray`` module, which numpy 2 moved (imports numpy)."""
+    try:  # numpy >= 2
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
+    return multiarray
+
+
+@functools.cache
+def numpy_pluggable_allocator() -> bool:
+    """False before numpy 1.22, whose one allocator is malloc; later releases let a library plug its own."""
+    return tuple(int(part) for part in np.__version__.split(".")[:2]) >= (1, 22)
 
 
 def made_by_default_allocator(array: np.ndarray) -> bool:
@@ -25,9 +34,9 @@ def made_by_default_allocator(array: np.ndarray) -> bool:
     """
     if not array.flags.owndata:
         return False
-    if not NUMPY_PLUGGABLE_ALLOCATOR:
+    if not numpy_pluggable_allocator():
         return True
-    get_handler_name = getattr(numpy_multiarray, "get_handler_name", None)
+    get_handler_name = getattr(numpy_multiarray(), "get_handler_name", None)
     return get_handler_name is not None and get_handler_name(array) == "default_allocator"
 
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Tuple
 
-import numpy as np
-
-from ._arrays import NUMPY_PLUGGABLE_ALLOCATOR, numpy_multiarray
+from .._numpy import np
+from ._arrays import numpy_multiarray, numpy_pluggable_allocator
 from ._probes import (
     exit_codes_in,
     has,
@@ -146,7 +145,7 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
     (
         "numpy multiarray.get_handler_name",
         "an array is held once only when NumPy's default allocator (malloc) made its memory",
-        lambda: has(numpy_multiarray, "get_handler_name") or not NUMPY_PLUGGABLE_ALLOCATOR,
+        lambda: has(numpy_multiarray(), "get_handler_name") or not numpy_pluggable_allocator(),
     ),
     (
         "numpy memmap._mmap",

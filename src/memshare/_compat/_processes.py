@@ -251,12 +251,13 @@ for _name in ("ForkServerProcess", "SpawnProcess"):
 del _name, _base
 
 
-def start_fork_server_with(module: str) -> None:
-    """Start the fork server now, with ``module`` among those it imports first (see :func:`preload_in_fork_server`).
+def start_fork_server_with(*modules: str) -> None:
+    """Start the fork server now, with ``modules`` among those it imports first (see :func:`preload_in_fork_server`).
 
     The server preloads ``__main__`` from its ``__file__`` too, when it has a real one (see :func:`pseudo_main_hidden`).
     """
-    preload_in_fork_server(module)
+    for module in modules:
+        preload_in_fork_server(module)
     with pseudo_main_hidden():
         _mp_forkserver.ensure_running()
 

@@ -15,12 +15,11 @@ import os
 import stat
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
-import numpy as np
-
 from .._errors import RemoteTraceback
 from .._lifetime import _memfd
 from .._lifetime._folders import FolderPair
 from .._lifetime._holdings import note_mapping
+from .._numpy import np
 from .._payload._unpacking import unpack
 from .._transport._handoff import Inbox
 from .._transport._mapping import array_from_ref, map_descriptor

@@ -16,9 +16,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
-import numpy as np
-
 from .._config import Settings
+from .._numpy import np
 from .._payload._broadcast import Broadcast, sent_by_reference
 from .._payload._routes import (
     DUMP_BASE,

@@ -21,9 +21,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, KeysView, List, Optional, Set
 
-import numpy as np
-
 from .._lifetime._file_lifetime import FileLifetime
+from .._numpy import np
 from .._transport._refs import ArrayRef
 
 #: Where a current file used by one task so far waits once that task is done.

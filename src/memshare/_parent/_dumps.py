@@ -20,9 +20,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, KeysView, List, Optional, Set
 
-import numpy as np
-
 from .._lifetime._folders import FolderPair, delete_file
+from .._numpy import np
 from .._stats import DUMPED, REUSED, CallStats, log_buffer_decision, log_decision, log_object_decision
 from .._transport._compare import same_bytes
 from .._transport._dumping import dump_array

@@ -15,10 +15,9 @@ import ctypes
 import sys
 from typing import List, Optional, Tuple
 
-import numpy as np
-
 from .._compat import gil_enabled
 from .._lifetime import _procfs
+from .._numpy import np
 from .._transport import _pages
 from . import _malloc
 

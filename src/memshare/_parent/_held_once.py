@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-import numpy as np
-
 from .. import _forksafe
 from .._compat import made_by_default_allocator
 from .._lifetime._file_lifetime import FileLifetime
@@ -30,6 +28,7 @@ from .._lifetime._folders import FolderPair, delete_file, reserve
 from .._lifetime._location import SHM_ROOT, Location, choose_location, free_bytes
 from .._lifetime._memfd import duplicate, held_count, is_memfd_path, within_budget
 from .._lifetime._temp_folder import TempFolder
+from .._numpy import np
 from .._payload._routes import mode_unfit_reason
 from .._payload._torch import is_storage_bytes
 from .._transport import _pages

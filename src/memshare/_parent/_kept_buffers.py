@@ -38,14 +38,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import numpy as np
-
 from .. import _forksafe
 from .._config import over_max_nbytes
 from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import delete_file
 from .._lifetime._location import Location
 from .._lifetime._temp_folder import TempFolder
+from .._numpy import np
 from .._transport._compare import same_bytes
 from .._transport._dumping import dump_array
 from .._transport._identity import IdentityTable, MemoryKey

@@ -18,10 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
-import numpy as np
-
 from .._compat import batched_calls
 from .._config import Settings
+from .._numpy import np
 from .._payload._broadcast import Broadcast
 from .._payload._envelope import with_objects
 from .._payload._main_values import PLAIN_TYPES

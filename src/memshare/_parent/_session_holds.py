@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Tuple
 
-import numpy as np
-
+from .._numpy import np
 from .._stats import HELD_ONCE, NOT_HELD_ONCE, CallStats, log_decision
 from .._transport._identity import IdentityTable
 from ._held_once import Held, HeldFile, forget, hold, lookup, unfit_reason

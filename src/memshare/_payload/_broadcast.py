@@ -32,10 +32,10 @@ import weakref
 from typing import Any, Dict, Generic, List, NamedTuple, Optional, Tuple, TypeVar
 
 import cloudpickle
-import numpy as np
 
 from .. import _forksafe
 from .._lifetime._file_lifetime import FileLifetime
+from .._numpy import np
 from .._transport._backing import find_backing, mapped_file
 from .._transport._mapping import array_from_ref, forget_mapping
 from .._transport._refs import ArrayRef, is_file

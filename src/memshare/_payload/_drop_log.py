@@ -15,9 +15,8 @@ import os
 import struct
 from typing import Any, Deque, List, Optional, Set, Tuple
 
-import numpy as np
-
 from .. import _forksafe
+from .._numpy import np
 from .._transport._mapping import array_from_ref
 from .._transport._refs import SHARED, ArrayRef
 from .._transport._shared_store import new_shared_array

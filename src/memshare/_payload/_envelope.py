@@ -12,10 +12,10 @@ import pickle
 import struct
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
+from .._numpy import np
 
 #: Bytes of a payload: ``bytes``, or a view of a mapped file.
-Buffer = Union[bytes, memoryview, np.ndarray]
+Buffer = Union[bytes, memoryview, "np.ndarray"]
 
 _ENVELOPE = b"memshare-buffers\x00"
 _HEADER_LENGTH = struct.Struct("<Q")

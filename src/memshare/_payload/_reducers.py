@@ -49,9 +49,9 @@ import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import cloudpickle
-import numpy as np
 
 from .._compat import pandas_array_state
+from .._numpy import np, numpy_imported
 from .._transport._protocol import ResultSpec
 from .._transport._refs import ArrayRef
 from ._broadcast import Broadcast
@@ -76,6 +76,10 @@ ReduceBuffer = Callable[[pickle.PickleBuffer], Optional[Any]]
 ReduceBroadcast = Callable[[Broadcast], Optional[Reduction]]
 
 
+class _NoInstances:
+    """A type no object has: what the pickler compares with numpy's types before numpy is imported."""
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(
         self,
@@ -96,19 +100,22 @@ class _Pickler(cloudpickle.Pickler):
         self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
         self._polars = polars_classes() if buffer_callback is not None else ()  # through Arrow: see _polars
         self._tensor = tensor_class() if buffer_callback is not None else None  # as arrays: see _torch
+        # No object is an array before numpy is imported; one made during the pass is an argument's, which
+        # means numpy was imported before the pass began.
+        self._ndarray, self._memmap = (np.ndarray, np.memmap) if numpy_imported() else (_NoInstances, _NoInstances)
         # id -> array, of the arrays argument tensors travel as in this pass: mapped copy-on-write.
         self._tensor_arrays: Dict[int, np.ndarray] = {}
 
     def reducer_override(self, obj: Any) -> Any:
         # Exact types only: other ndarray subclasses (masked arrays, matrices)
         # pickle their own way, through plain arrays that come back here.
-        if type(obj) is np.ndarray or type(obj) is np.memmap:
+        if type(obj) is self._ndarray or type(obj) is self._memmap:
             reduced = self._reduce_array(obj)
             if reduced is not None:
                 if self._tensor_arrays and self._tensor_arrays.get(id(obj)) is obj:
                     return copy_on_write(reduced)
                 return reduced
-            if type(obj) is np.memmap:
+            if type(obj) is self._memmap:
                 # A memmap that is not shared as a file must not be rebuilt as
                 # a memmap without a file on the other side.
                 return _plain_reduction(obj)

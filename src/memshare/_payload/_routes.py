@@ -15,9 +15,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Optional
 
-import numpy as np
-
 from .._config import over_max_nbytes
+from .._numpy import np, numpy_imported
 from .._transport._backing import find_backing, is_copy_on_write, maps_privately
 from .._transport._refs import DUMP, HELD, SHARED, USER, ArrayRef, data_address, root_array
 from ._main_values import PLAIN_TYPES
@@ -288,7 +287,6 @@ def copied_route(array: np.ndarray, max_nbytes: Optional[int]) -> Route:
 #: (pickled in place, at memcpy speed), arrays (routed one by one), and code (functions, classes, modules).
 _NEVER_OBJECTS = (
     *PLAIN_TYPES, slice, range,
-    np.ndarray, np.memmap, np.generic, np.dtype,
     type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
 )  # fmt: skip
 #: How many objects :func:`object_candidate` looks at before it calls an argument a candidate.
@@ -312,6 +310,8 @@ def object_candidate(obj: Any, max_nbytes: Optional[int]) -> bool:
     are never candidates themselves.
     """
     if max_nbytes is None or isinstance(obj, _NEVER_OBJECTS):
+        return False
+    if numpy_imported() and isinstance(obj, (np.ndarray, np.generic, np.dtype)):
         return False
     limit = max(max_nbytes + 1, OBJECT_DUMP_MIN)
     smaller = plain_size_below(obj, limit)
@@ -348,7 +348,7 @@ def _surely_smaller(obj: Any, limit: int) -> bool:
             total += 16
             pending.extend(item.keys())
             pending.extend(item.values())
-        elif kind is np.ndarray:
+        elif numpy_imported() and kind is np.ndarray:
             total += 256 + (item.nbytes if item.nbytes < limit else 0)
         else:
             return False

@@ -38,9 +38,8 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import numpy as np
-
 from .. import _forksafe
+from .._numpy import np
 from .._transport._identity import IdentityTable
 from .._transport._refs import data_address
 

@@ -15,8 +15,7 @@ import io
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-import numpy as np
-
+from .._numpy import np
 from .._transport._mapping import array_from_ref
 from .._transport._protocol import Slot
 from .._transport._refs import ArrayRef
@@ -27,7 +26,7 @@ from ._view_reader import ViewReader
 Reduction = Tuple[Callable[..., Any], tuple]
 
 #: In the parent: the array of one slot of an outcome (see ``_adopt``).
-LoadSlot = Callable[[Slot], np.ndarray]
+LoadSlot = Callable[[Slot], "np.ndarray"]
 
 
 #: In a worker: the (device, inode) of each file the parent gave the task as its own and no worker writes.

@@ -15,9 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-import numpy as np
-
 from .._lifetime import _memfd, _procfs
+from .._numpy import np
 from ._identity import IdentityTable
 from ._refs import USER, ArrayRef, data_address, file_identity, is_file, kind_of_path, root_array
 

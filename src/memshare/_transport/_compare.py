@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
+from .._numpy import np
 from ._dumping import row_slabs
 
 _COMPARE_BYTES = 2 * 1024**2  # slab size: cache-friendly, no large temporaries

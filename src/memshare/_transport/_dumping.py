@@ -22,9 +22,8 @@ import os
 import time
 from typing import Iterator, Optional, Tuple
 
-import numpy as np
-
 from .._lifetime._folders import FolderPair, delete_file
+from .._numpy import np
 from ._refs import ArrayRef, data_address
 
 _SLAB_BYTES = 64 * 1024**2  # size of the pieces a non-contiguous array is copied in

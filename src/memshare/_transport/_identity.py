@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Dict, Generic, Optional, Tuple, TypeVar
 
-import numpy as np
+from .._numpy import np
 
 Value = TypeVar("Value")
 

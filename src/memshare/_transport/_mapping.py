@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import stat
@@ -41,11 +42,10 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Tuple
 
-import numpy as np
-
 from .. import _forksafe
 from .._compat import set_memmap_owner
 from .._lifetime import _memfd, _procfs
+from .._numpy import np
 from ._backing import MappedFile, note_mapped_file
 from ._refs import USER, ArrayRef, is_file, kind_of_path
 
@@ -133,12 +133,18 @@ class _Mapping:
         self._munmap(self.address, self.length)
 
 
-class _MappedBytes(np.ndarray):
-    """The bytes of a ctypes mapping under the ``np.memmap`` that :func:`map_file` returns.
+@functools.cache
+def _mapped_bytes_type() -> type:
+    """``MappedBytes``: made once, on first use, since a worker that maps no file need not import numpy."""
 
-    A type of its own only so that numpy never collapses the base of a view
-    of that memmap past it (see :func:`map_file`); nothing else differs.
-    """
+    class MappedBytes(np.ndarray):
+        """The bytes of a ctypes mapping under the ``np.memmap`` that :func:`map_file` returns.
+
+        A type of its own only so that numpy never collapses the base of a view
+        of that memmap past it (see :func:`map_file`); nothing else differs.
+        """
+
+    return MappedBytes
 
 
 def map_descriptor(fd: int, length: int, mode: str = "r+") -> np.ndarray:
@@ -239,7 +245,7 @@ def map_file(ref: ArrayRef) -> np.memmap:
         # ndarray made over ``base`` (as ``_shared_store`` does) would skip a memmap whose base
         # is a plain ndarray, and a memmap view one whose base is a memmap, losing the file
         # (or its offset). A level of a third type in between stops both.
-        base = raw.view(_MappedBytes).view(np.memmap)
+        base = raw.view(_mapped_bytes_type()).view(np.memmap)
     del raw
     # What np.memmap.__new__ sets; __array_finalize__ (which ran above and found no
     # memmap to copy from) left them None, and copies them to every slice from now on.

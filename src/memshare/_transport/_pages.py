@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import mmap
 
-import numpy as np
-
 from .._lifetime import _procfs
+from .._numpy import np
 from ._refs import data_address, root_array
 
 PAGE = mmap.PAGESIZE
 
 # /proc/self/pagemap: one 64-bit entry per virtual page.
-_PM_PRESENT = np.uint64(1 << 63)
-_PM_SWAPPED = np.uint64(1 << 62)
-_PM_FILE = np.uint64(1 << 61)  # a page of a file, or shared anonymous memory
+_PM_PRESENT = 1 << 63
+_PM_SWAPPED = 1 << 62
+_PM_FILE = 1 << 61  # a page of a file, or shared anonymous memory
 
 
 def changed_pages(first_page: int, end: int) -> np.ndarray:
@@ -32,8 +31,9 @@ def changed_pages(first_page: int, end: int) -> np.ndarray:
     """
     count = (end - first_page) // PAGE
     entries = np.frombuffer(_procfs.pagemap(first_page // PAGE, count), dtype=np.uint64)
-    written = ((entries & _PM_PRESENT) != 0) & ((entries & _PM_FILE) == 0)
-    written |= (entries & _PM_SWAPPED) != 0
+    present, swapped, file = (np.uint64(flag) for flag in (_PM_PRESENT, _PM_SWAPPED, _PM_FILE))
+    written = ((entries & present) != 0) & ((entries & file) == 0)
+    written |= (entries & swapped) != 0
     return np.flatnonzero(written)
 
 

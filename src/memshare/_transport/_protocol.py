@@ -14,14 +14,13 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-import numpy as np
-
 from .._lifetime._folders import FolderPair
+from .._numpy import np
 from ._refs import RESULT, ArrayRef
 
 #: Where a result slot's array is: a file (a result file to adopt, or the
 #: user's own mapping to view), or the array itself when no file had room.
-Slot = Union[ArrayRef, np.ndarray]
+Slot = Union[ArrayRef, "np.ndarray"]
 
 #: In the parent: the descriptor a worker passed for the memfd of (device, inode), or None (see ``_handoff``).
 Receive = Callable[[Tuple[int, int]], Optional[int]]

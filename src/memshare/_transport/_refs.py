@@ -16,10 +16,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-import numpy as np
-
 from .._lifetime import _memfd
 from .._lifetime._owners import parse_folder_name
+from .._numpy import np
 
 #: What the file behind a reference is, which decides its lifetime and how
 #: results that view it come back (see ``_result_policy`` and ``_adopt``).

@@ -20,13 +20,12 @@ import os
 import weakref
 from typing import Dict, Optional, Tuple
 
-import numpy as np
-
 from .. import _forksafe
 from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import delete_file
 from .._lifetime._location import Location, choose_location
 from .._lifetime._temp_folder import TempFolder
+from .._numpy import np
 from ._dumping import contiguous_strides, dump_array, file_reference
 from ._mapping import map_file
 from ._refs import SHARED, ArrayRef

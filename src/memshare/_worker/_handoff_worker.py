@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
+from .._numpy import np
 
 try:
     import resource
@@ -34,7 +34,7 @@ _COPY_BYTES = 8 * 1024**2  # block size when a result memfd is copied into a nam
 
 #: Where the memory of a memfd the parent could not take went: a named file (its path and
 #: identity), or a byte array to send by value when no file had room.
-Moved = Union[Tuple[str, Identity], np.ndarray]
+Moved = Union[Tuple[str, Identity], "np.ndarray"]
 
 
 class ResultHandover:

@@ -33,7 +33,7 @@ import sys
 import weakref
 from typing import List
 
-import numpy as np
+from .._numpy import np
 
 _PAGE = mmap.PAGESIZE
 
@@ -65,7 +65,7 @@ def _refcount_of_item(box: List[object]) -> int:
 # How many references sys.getrefcount reports for an object held only by a
 # one-item list, read through _refcount_of_item. Measured rather than assumed,
 # because CPython versions differ in how they count temporary references.
-_SOLE_REFCOUNT = _refcount_of_item([np.empty(1)]) if _MADVISE is not None else -1
+_SOLE_REFCOUNT = _refcount_of_item([object()]) if _MADVISE is not None else -1
 
 
 def can_release(box: List[np.ndarray]) -> bool:

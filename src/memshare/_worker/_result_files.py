@@ -34,12 +34,11 @@ import functools
 import os
 from typing import Dict, List, MutableSequence, Optional, Tuple, Union
 
-import numpy as np
-
 from .._errors import SharedMemoryFullError
 from .._lifetime import _memfd
 from .._lifetime._file_lifetime import FileLifetime
 from .._lifetime._folders import NO_ROOM_ERRNOS, FolderPair, delete_file, open_for_writing, reserve
+from .._numpy import np
 from .._transport._dumping import file_order, file_reference, iter_pieces, write_range
 from .._transport._refs import RESULT, ArrayRef, file_identity
 from ._release import can_release, release_pages

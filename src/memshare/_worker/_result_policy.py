@@ -15,9 +15,8 @@ import dataclasses
 import pickle
 from typing import AbstractSet, Dict, List, Optional, Tuple
 
-import numpy as np
-
 from .._lifetime._folders import FolderPair
+from .._numpy import np
 from .._payload._routes import (
     HAND_OVER,
     INPUT_FILE,

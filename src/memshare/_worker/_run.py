@@ -15,10 +15,9 @@ import time
 import traceback
 from typing import Any, Iterator, Optional
 
-import numpy as np
-
 from .._errors import UnpicklableResultError
 from .._lifetime._owners import process_start_time
+from .._numpy import np
 from .._payload._broadcast import prune_received
 from .._payload._plain import plain_stream
 from .._payload._reducers import Reducers, by_value, pack, pack_result
