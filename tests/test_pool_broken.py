@@ -111,6 +111,45 @@ def test_close_and_join_return_when_an_idle_worker_was_killed(shm_dir):
     assert memshare_entries(shm_dir) == []
 
 
+def reading_a_task(worker):
+    """True when ``worker`` waits in a read of the task pipe: the idle worker that holds the queue's read lock.
+
+    The others wait for that lock, in a futex. The kernel names where a process sleeps in ``wchan``
+    (``pipe_read``, or ``anon_pipe_read`` on newer kernels).
+    """
+    with open(f"/proc/{worker}/wchan") as wchan:
+        return "pipe_read" in wchan.read()
+
+
+@pytest.mark.parametrize("when", ["before join", "while join waits"])
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_join_returns_when_an_idle_worker_is_killed_after_close(shm_dir, method, when):
+    # Nothing is pending, so no call fails and the watch has ended; the other workers wait behind the dead
+    # one's lock for the sentinels that end them, and join() waited for them forever.
+    pool = MemmappingPool(2, context=method)
+    try:
+        workers = sorted(set(pool.map(pid, range(20), chunksize=1)) | {process.pid for process in pool._pool})
+        if not wait_until(lambda: any(map(reading_a_task, workers)), PROMPTLY):
+            if not any(open(f"/proc/{worker}/wchan").read().strip("0") for worker in workers):
+                pytest.skip("this kernel does not say where a process sleeps (/proc/PID/wchan reads 0)")
+            raise AssertionError("no worker waits for a task")
+        holder = next(worker for worker in workers if reading_a_task(worker))
+        os.kill(holder, signal.SIGSTOP)  # it reads no sentinel, and keeps the lock, until it is killed
+        pool.close()
+        joined = threading.Event()
+        if when == "before join":
+            os.kill(holder, signal.SIGKILL)
+        threading.Thread(target=lambda: (pool.join(), joined.set()), daemon=True).start()
+        if when == "while join waits":
+            assert not joined.wait(0.5)  # the other worker waits for the lock, so join() does too
+            os.kill(holder, signal.SIGKILL)
+        assert joined.wait(PROMPTLY), "join() hangs after an idle worker died"
+    finally:
+        pool.terminate()
+    assert not any(alive(worker) for worker in workers)
+    assert memshare_entries(shm_dir) == []
+
+
 def test_a_worker_killed_while_join_waits_fails_the_pending_calls(shm_dir, tmp_path):
     pool = MemmappingPool(2)
     try:

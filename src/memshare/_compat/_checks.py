@@ -123,6 +123,14 @@ _SPECS: Tuple[Tuple[str, str, Callable[[], bool]], ...] = (
         lambda: all(uses_attribute(_mp_pool.Pool, name) for name in ("_cache", "_pool", "_processes")),
     ),
     (
+        "multiprocessing Pool._worker_handler / _task_handler / _result_handler",
+        "join() waits for the workers together once the pool's threads have ended, and ends the others when "
+        "one was killed holding the task queue's lock",
+        lambda: all(
+            uses_attribute(_mp_pool.Pool, name) for name in ("_worker_handler", "_task_handler", "_result_handler")
+        ),
+    ),
+    (
         "multiprocessing Pool.Process, read from the instance",
         "the pool records each worker it starts, without its threads holding the pool",
         lambda: uses_attribute(_mp_pool.Pool, "Process"),

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 from ._pool_queues import ParentPut, ResultPipe, TaskSender
@@ -103,7 +104,8 @@ class PoolWithHooks(_mp_pool.Pool):
     forever for its lock. The parent reads results and writes tasks and
     sentinels through ``_pool_queues``: once ``results_abandoned()`` is true
     (a worker died abruptly, the pool is ending), none of them waits on a
-    dead worker. An unclosed running pool, collected, warns once, naming its class.
+    dead worker. ``join()`` returns when a worker was killed after ``close()``. An unclosed running pool,
+    collected, warns once, naming its class.
     """
 
     def __init__(
@@ -142,6 +144,17 @@ class PoolWithHooks(_mp_pool.Pool):
         reader = getattr(getattr(self, "_change_notifier", None), "_reader", None)
         return [reader] if reader is not None else super()._get_sentinels()
 
+    def join(self) -> None:
+        # Pool.join joins the workers one after another. A worker killed while it waited for a task
+        # took the task queue's read lock with it; with nothing pending no call fails, but the others
+        # never read the sentinel that ends them. Once the pool's threads have ended, nothing else reaps
+        # the workers: wait for them together here, and end the rest after an abrupt exit.
+        if self._state != _mp_pool.RUN:
+            for thread in (self._worker_handler, self._task_handler, self._result_handler):
+                thread.join()
+            end_workers_after_an_abrupt_exit(list(self._pool))
+        super().join()
+
     @staticmethod
     def _help_stuff_finish(inqueue: Any, task_handler: threading.Thread, size: int) -> None:
         # Pool.terminate drains the task queue under its read lock. A worker
@@ -165,6 +178,21 @@ class PoolWithHooks(_mp_pool.Pool):
 
 
 _POOL_DEL_TAKES_WARN = takes_parameter(_mp_pool.Pool.__del__, "_warn")
+
+
+def end_workers_after_an_abrupt_exit(workers: list) -> None:
+    """Wait for ``workers`` to end; once one exits abruptly (a signal, a non-zero code), terminate the others.
+
+    For workers told to end and given nothing more to do: what they lose is only their wait.
+    """
+    running = {process.sentinel: process for process in workers}
+    while running:
+        for sentinel in wait(list(running)):
+            process = running.pop(sentinel)
+            process.join()
+            if process.exitcode != 0:
+                for other in running.values():
+                    other.terminate()
 
 
 def drain_task_queue(inqueue: Any, task_handler: threading.Thread, lock_timeout: float = 1.0) -> None:
