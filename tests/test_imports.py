@@ -49,6 +49,29 @@ print(json.dumps([len(names), "numpy" in sys.modules, "joblib" in sys.modules]))
     assert count > 60 and not numpy_imported and not joblib_imported
 
 
+def test_an_array_made_while_a_task_is_pickled_still_goes_to_shared_memory(shm_dir):
+    """numpy imported by an argument's ``__reduce__`` while it is pickled: its array is dumped all the same."""
+    code = """
+import json, sys
+import memshare
+
+class MakesAnArray:
+    def __reduce__(self):
+        import numpy
+        return (numpy.asarray, (numpy.ones(100_000),))
+
+def total(array):
+    return float(array.sum())
+
+with memshare.MemmappingPool(1, context="fork", max_nbytes=1000) as pool:
+    assert "numpy" not in sys.modules
+    value = pool.apply(total, (MakesAnArray(),))
+stats = memshare.last_call_stats()
+print(json.dumps([value, stats["arrays_dumped"], stats["bytes_dumped"]]))
+"""
+    assert json.loads(run_script(code).stdout.strip().splitlines()[-1]) == [100_000.0, 1, 800_000]
+
+
 NUMPY_SCRIPT = """
 import sys
 import memshare
