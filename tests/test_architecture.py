@@ -730,3 +730,26 @@ def test_the_size_check_finds_a_long_module_and_a_long_class(tmp_path):
         "memshare._classes": 2 * (CLASS_CODE_LINES + 301) + 2,
         "memshare._classes.Long": CLASS_CODE_LINES + 1,
     }
+
+
+def class_annotations_naming_numpy(source: str) -> List[str]:
+    """The class-body annotations of ``source`` that start with ``np.`` (line: annotation)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            for statement in node.body:
+                if isinstance(statement, ast.AnnAssign) and ast.unparse(statement.annotation).startswith("np."):
+                    found.append(f"{statement.lineno}: {ast.unparse(statement.annotation)}")
+    return found
+
+
+def test_no_class_annotation_starts_with_numpys_name():
+    """numpy is imported on first use (``_numpy``); from Python 3.15, ``@dataclass`` reads the leading dotted
+    name of each field's annotation, and ``np.dtype`` there would import numpy with the module."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in class_annotations_naming_numpy(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, f"annotate these fields otherwise (Any, with a comment): {found}"
+    assert class_annotations_naming_numpy("class A:\n    dtype: np.dtype\n") == ["2: np.dtype"]

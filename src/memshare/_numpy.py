@@ -6,7 +6,9 @@ write ``from .._numpy import np`` and use ``np`` as the module: the first
 attribute read imports numpy. Code on a path that every object takes (the
 picklers' type checks, the routes of argument objects) asks
 :func:`numpy_imported` first, since no object can be an array before numpy
-is imported.
+is imported. A class-body annotation never starts with ``np.``: from Python
+3.15, ``@dataclass`` reads a field annotation's leading dotted name, which
+would import numpy with the module (``Any`` stands there instead).
 """
 
 from __future__ import annotations

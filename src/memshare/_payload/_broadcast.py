@@ -204,7 +204,7 @@ class Sent(NamedTuple):
     """A broadcast as memshare's pickler sends it (see :func:`sent_by_reference`)."""
 
     reduction: Tuple[Any, ...]
-    data: np.ndarray  # the task keeps it alive until it is done: the file goes with its last view
+    data: Any  # an array (see _numpy for why not np.ndarray): the task keeps it alive, the file goes with its last view
     ref: ArrayRef  # its file
     first: bool  # the first sending by this sender
 

@@ -42,9 +42,7 @@ class ArrayRef:
     offset: int  # file offset of the element at index (0, ..., 0)
     shape: Tuple[int, ...]
     strides: Tuple[int, ...]
-    # A numpy dtype. Not annotated so: Python 3.15's dataclass reads an annotation's leading dotted name
-    # (for ClassVar), and np.dtype would import numpy.
-    dtype: Any
+    dtype: Any  # a numpy dtype (see _numpy for why not np.dtype)
     # What the rebuilt np.memmap reports as ``.offset`` and ``.mode``. numpy
     # gives every slice of a memmap the offset and mode the memmap was opened
     # with; for a view of the user's own memmap the rebuilt array must report
