@@ -76,10 +76,6 @@ ReduceBuffer = Callable[[pickle.PickleBuffer], Optional[Any]]
 ReduceBroadcast = Callable[[Broadcast], Optional[Reduction]]
 
 
-class _NoInstances:
-    """A type no object has: what the pickler compares with numpy's types before numpy is imported."""
-
-
 class _Pickler(cloudpickle.Pickler):
     def __init__(
         self,
@@ -100,9 +96,10 @@ class _Pickler(cloudpickle.Pickler):
         self._arrow_array = _pandas_arrow_array_class() if buffer_callback is not None else None
         self._polars = polars_classes() if buffer_callback is not None else ()  # through Arrow: see _polars
         self._tensor = tensor_class() if buffer_callback is not None else None  # as arrays: see _torch
-        # No object is an array before numpy is imported. An array made during the pass by a __reduce__ that
-        # imports numpy still reaches shared memory: pickle offers its buffer out of band (buffer_callback).
-        self._ndarray, self._memmap = (np.ndarray, np.memmap) if numpy_imported() else (_NoInstances, _NoInstances)
+        # No object is an array before numpy is imported: (None, None) until then, since no object's type is
+        # None. An array made during the pass by a __reduce__ that imports numpy still reaches shared memory:
+        # pickle offers its buffer out of band (buffer_callback).
+        self._ndarray, self._memmap = (np.ndarray, np.memmap) if numpy_imported() else (None, None)
         # id -> array, of the arrays argument tensors travel as in this pass: mapped copy-on-write.
         self._tensor_arrays: Dict[int, np.ndarray] = {}
 
